@@ -1,0 +1,1 @@
+"""The exec agent: the only code that runs commands in sandboxes."""

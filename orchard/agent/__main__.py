@@ -1,0 +1,3 @@
+from orchard.agent.main import main
+
+main()

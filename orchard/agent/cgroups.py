@@ -1,0 +1,140 @@
+"""Per-sandbox cgroups: memory, pids and CPU limits, and a way to kill everything.
+
+cgroup v1 (our machines) and v2 are both handled; where no hierarchy is writable the
+sandbox runs without limits and says so in its status message.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+V1_ROOT = Path("/sys/fs/cgroup")
+CFS_PERIOD_US = 100_000
+
+
+@dataclass
+class SandboxCgroup:
+    """The cgroup directories of one sandbox (one per v1 controller, or one v2 dir)."""
+
+    dirs: dict[str, Path] = field(default_factory=dict)
+
+    @property
+    def procs_files(self) -> list[str]:
+        return [str(d / "cgroup.procs") for d in self.dirs.values()]
+
+    def pids(self) -> set[int]:
+        found: set[int] = set()
+        for d in self.dirs.values():
+            try:
+                found.update(int(line) for line in (d / "cgroup.procs").read_text().split())
+            except OSError:
+                pass
+        return found
+
+    def kill_all(self) -> None:
+        for _ in range(3):  # a fork racing the kill is caught on the next pass
+            pids = self.pids()
+            if not pids:
+                return
+            for pid in pids:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+
+    def remove(self) -> bool:
+        """Remove the directories; False while a process still lives in them."""
+        ok = True
+        for d in self.dirs.values():
+            try:
+                d.rmdir()
+            except FileNotFoundError:
+                pass
+            except OSError:
+                ok = False
+        return ok
+
+    def memory_events_oom(self) -> bool:
+        d = self.dirs.get("memory")
+        if d is None:
+            return False
+        try:
+            if (d / "memory.failcnt").exists():
+                return int((d / "memory.failcnt").read_text()) > 0
+            events = (d / "memory.events").read_text()
+            return any(line.startswith("oom_kill ") and int(line.split()[1]) > 0 for line in events.splitlines())
+        except (OSError, ValueError):
+            return False
+
+
+class CgroupManager:
+    """Creates sandbox cgroups under ``<hierarchy>/orchard/<agent>/<sandbox>``."""
+
+    def __init__(self, agent_name: str) -> None:
+        self.agent_name = agent_name
+        self.mode, self.bases = self._detect()
+
+    @property
+    def available(self) -> bool:
+        return bool(self.bases)
+
+    def _detect(self) -> tuple[str, dict[str, Path]]:
+        if os.geteuid() != 0:
+            return "none", {}
+        v1 = {c: V1_ROOT / c for c in ("memory", "pids", "cpu") if (V1_ROOT / c / "cgroup.procs").exists()}
+        if v1:
+            return "v1", {c: p / "orchard" / self.agent_name for c, p in v1.items()}
+        if (V1_ROOT / "cgroup.controllers").exists():
+            return "v2", {"unified": V1_ROOT / "orchard" / self.agent_name}
+        return "none", {}
+
+    def create(self, sandbox_id: str, memory: Optional[int], pids: Optional[int], cpus: Optional[float]) -> SandboxCgroup:
+        group = SandboxCgroup()
+        for controller, base in self.bases.items():
+            path = base / sandbox_id
+            if self.mode == "v2":
+                self._enable_v2_controllers(path)
+            path.mkdir(parents=True, exist_ok=True)
+            group.dirs["memory" if controller == "unified" else controller] = path
+            self._apply(controller, path, memory, pids, cpus)
+        return group
+
+    def _enable_v2_controllers(self, path: Path) -> None:
+        for parent in [V1_ROOT, *reversed(path.parents[: len(path.relative_to(V1_ROOT).parts) - 1])]:
+            parent.mkdir(exist_ok=True)
+            try:
+                (parent / "cgroup.subtree_control").write_text("+memory +pids +cpu")
+            except OSError:
+                pass
+
+    def _apply(self, controller: str, path: Path, memory: Optional[int], pids: Optional[int], cpus: Optional[float]) -> None:
+        writes: list[tuple[str, str]] = []
+        if controller == "memory" and memory:
+            writes += [("memory.limit_in_bytes", str(memory))]
+            if (path / "memory.memsw.limit_in_bytes").exists():
+                writes += [("memory.memsw.limit_in_bytes", str(memory))]
+        elif controller == "pids" and pids:
+            writes += [("pids.max", str(pids))]
+        elif controller == "cpu" and cpus:
+            writes += [("cpu.cfs_period_us", str(CFS_PERIOD_US)), ("cpu.cfs_quota_us", str(int(cpus * CFS_PERIOD_US)))]
+        elif controller == "unified":
+            if memory:
+                writes += [("memory.max", str(memory)), ("memory.swap.max", "0")]
+            if pids:
+                writes += [("pids.max", str(pids))]
+            if cpus:
+                writes += [("cpu.max", f"{int(cpus * CFS_PERIOD_US)} {CFS_PERIOD_US}")]
+        for name, value in writes:
+            try:
+                (path / name).write_text(value)
+            except OSError:
+                if not name.startswith(("memory.memsw", "memory.swap")):
+                    raise
+
+    def leftovers(self) -> list[Path]:
+        """Sandbox cgroups that still exist (for leak checks)."""
+        return [p for base in self.bases.values() if base.exists() for p in base.iterdir() if p.is_dir()]

@@ -1,0 +1,128 @@
+"""Images: ``host``, a root-filesystem directory, or a ``docker://`` reference.
+
+``docker://`` images are pulled with skopeo and unpacked with umoci into a cache
+keyed by manifest digest, so each image is pulled once; the image config (Env,
+WorkingDir) is honoured. Unpacked trees belong to the unprivileged sandbox uid, so
+a sandbox owns its image's files the way a rootless container does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal, Optional
+
+from orchard.agent.reaper import ChildReaper, run_tool
+from orchard.errors import ImageRejected, RuntimeUnavailable
+from orchard.plugins import verify_image
+
+HOST_IMAGE = "host"
+REFERENCE_TTL = 300.0
+
+
+@dataclass
+class ResolvedImage:
+    reference: str
+    kind: Literal["host", "rootfs"]
+    rootfs: Optional[Path] = None
+    env: dict[str, str] = field(default_factory=dict)
+    workdir: Optional[str] = None
+    digest: Optional[str] = None
+
+
+
+
+def _last_line(text: str) -> str:
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    return lines[-1] if lines else "(no message)"
+
+
+class ImageStore:
+    def __init__(self, cache_dir: Path, owner: Optional[tuple[int, int]], insecure_registries: list[str],
+                 reaper: ChildReaper) -> None:
+        self.cache_dir = cache_dir
+        self.reaper = reaper
+        self.owner = owner
+        self.insecure_registries = insecure_registries
+        self._digests: dict[str, tuple[str, float]] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
+
+    async def _run(self, *argv: str, uid: Optional[int] = None, home: Optional[Path] = None) -> tuple[int, str, str]:
+        """Run a tool (as ``uid`` when given) and collect its output."""
+        if uid is not None:
+            argv = ("setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", *argv)
+        env = {"PATH": os.environ.get("PATH", "/usr/sbin:/usr/bin:/sbin:/bin")}
+        if home is not None:
+            env.update(HOME=str(home), TMPDIR=str(home))
+        return await run_tool(self.reaper, list(argv), env)
+
+    async def resolve(self, image: str) -> ResolvedImage:
+        reason = verify_image(image, {"insecure_registries": self.insecure_registries})
+        if reason:
+            raise ImageRejected(f"image {image!r} refused by policy: {reason}")
+        if image == HOST_IMAGE:
+            return ResolvedImage(reference=image, kind="host")
+        if image.startswith("docker://"):
+            return await self._pull(image)
+        path = Path(image.removeprefix("dir://"))
+        if not path.is_absolute():
+            raise ImageRejected(f"image {image!r}: use 'host', an absolute root-filesystem directory, or docker://REF")
+        if not path.is_dir():
+            raise ImageRejected(f"image {image!r}: directory does not exist")
+        return ResolvedImage(reference=image, kind="rootfs", rootfs=path)
+
+    def _tls_flag(self, reference: str, option: str) -> list[str]:
+        host = reference.removeprefix("docker://").split("/", 1)[0].split(":", 1)[0]
+        return [f"--{option}=false"] if host in self.insecure_registries else []
+
+    async def _digest(self, reference: str) -> str:
+        cached = self._digests.get(reference)
+        if cached and time.monotonic() - cached[1] < REFERENCE_TTL:
+            return cached[0]
+        if shutil.which("skopeo") is None:
+            raise RuntimeUnavailable("docker:// images need skopeo and umoci (apt-get install skopeo umoci)")
+        code, out, err = await self._run("skopeo", "inspect", *self._tls_flag(reference, "tls-verify"), reference)
+        if code != 0:
+            raise ImageRejected(f"image {reference!r} cannot be pulled: {_last_line(err)}")
+        digest = json.loads(out)["Digest"]
+        self._digests[reference] = (digest, time.monotonic())
+        return digest
+
+    async def _pull(self, reference: str) -> ResolvedImage:
+        digest = await self._digest(reference)
+        target = self.cache_dir / digest.replace(":", "-")
+        lock = self._locks.setdefault(digest, asyncio.Lock())
+        async with lock:
+            if not (target / "rootfs").is_dir():
+                await self._unpack(reference, digest, target)
+        config = json.loads((target / "config.json").read_text())
+        process = config.get("process", {})
+        env = dict(item.split("=", 1) for item in process.get("env", []) if "=" in item)
+        return ResolvedImage(reference=reference, kind="rootfs", rootfs=target / "rootfs", env=env,
+                             workdir=process.get("cwd") or None, digest=digest)
+
+    async def _unpack(self, reference: str, digest: str, target: Path) -> None:
+        staging = self.cache_dir / f".pull-{digest.replace(':', '-')}-{os.getpid()}"
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+        uid = None
+        if self.owner is not None:
+            os.chown(staging, *self.owner)
+            uid = self.owner[0]
+        try:
+            code, _, err = await self._run("skopeo", "copy", "--quiet", *self._tls_flag(reference, "src-tls-verify"),
+                                      reference, f"oci:{staging}/oci:image", uid=uid, home=staging)
+            if code != 0:
+                raise ImageRejected(f"image {reference!r} cannot be pulled: {_last_line(err)}")
+            code, _, err = await self._run("umoci", "unpack", "--rootless", "--image", f"{staging}/oci:image",
+                                      f"{staging}/bundle", uid=uid, home=staging)
+            if code != 0:
+                raise ImageRejected(f"image {reference!r} cannot be unpacked: {_last_line(err)}")
+            os.replace(staging / "bundle", target)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)

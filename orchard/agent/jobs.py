@@ -1,0 +1,213 @@
+"""Running one command in a sandbox: spawn, spool, time out, record.
+
+Each job is spawned with ``posix_spawn`` as the leader of its own session (so a
+timeout kills its whole process group), with stdout/stderr going to spool files.
+The call returns when the foreground shell exits; background processes it left
+keep running until the sandbox dies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import codecs
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import AsyncIterator, Optional
+
+from orchard.agent.reaper import ChildReaper
+from orchard.agent.runtimes.api import IsolationRuntime
+from orchard.agent.sandbox import SandboxState
+from orchard.agent.spool import SpoolFile
+from orchard.models import ExecRequest, Job
+
+POLL_SECONDS = 0.25
+STREAM_POLL_SECONDS = 0.02
+TIMEOUT_EXIT_CODE = 124
+_TTY_WARNINGS = (
+    "bash: cannot set terminal process group",
+    "bash: no job control in this shell",
+)
+
+
+@dataclass
+class JobRecord:
+    job: Job
+    request: ExecRequest
+    spool_dir: Path
+    stdout: Optional[SpoolFile] = None
+    stderr: Optional[SpoolFile] = None
+    pid: Optional[int] = None
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+    finished_at: float = 0.0
+    readers: int = 0  # open streams; spool files are released when the last one ends
+
+    def release_spools(self) -> None:
+        if self.done.is_set() and self.readers == 0:
+            for spool in (self.stdout, self.stderr):
+                if spool is not None:
+                    spool.close()
+
+
+def shell_argv(shell: str, command: str, login_shell: bool) -> list[str]:
+    """How the original runs commands: ``bash -c``, or a login shell that sources ~/.bashrc."""
+    if login_shell and shell == "bash":
+        return ["bash", "--login", "-i", "-c", f"if [ -f ~/.bashrc ]; then . ~/.bashrc; fi\n{command}"]
+    if login_shell:
+        return [shell, "-l", "-c", command]
+    return [shell, "-c", command]
+
+
+def strip_tty_warnings(text: str) -> str:
+    return "".join(line for line in text.splitlines(keepends=True) if not line.startswith(_TTY_WARNINGS))
+
+
+class JobRunner:
+    def __init__(self, reaper: ChildReaper, helper: Path, max_output_bytes: int) -> None:
+        self.reaper = reaper
+        self.helper = helper
+        self.max_output_bytes = max_output_bytes
+
+    async def run(self, sandbox: SandboxState, runtime: IsolationRuntime, record: JobRecord, cwd: str) -> None:
+        """Run ``record`` under the sandbox's lock and fill in its result."""
+        job = record.job
+        try:
+            async with sandbox.lock:
+                if sandbox.status != "ready":
+                    self._fail(record, "sandbox_lost", f"sandbox {sandbox.sandbox_id} is {sandbox.status}")
+                    return
+                await self._run_locked(sandbox, runtime, record, cwd)
+        except Exception as exc:  # never leave a caller waiting on a job that cannot finish
+            self._fail(record, "internal", f"{type(exc).__name__}: {exc}")
+        finally:
+            if not job.done:
+                self._fail(record, "internal", "job ended without a result")
+            record.finished_at = time.monotonic()
+            record.done.set()
+            record.release_spools()
+
+    def _fail(self, record: JobRecord, error_type: str, message: str) -> None:
+        job = record.job
+        job.status, job.error_type, job.error = "failed", error_type, message
+        job.completed_at = time.time()
+
+    async def _run_locked(self, sandbox: SandboxState, runtime: IsolationRuntime, record: JobRecord, cwd: str) -> None:
+        placement = sandbox.placement
+        assert placement is not None
+        request, job = record.request, record.job
+        argv = runtime.command(sandbox, shell_argv(placement.shell, request.command_text(), request.login_shell), cwd)
+        env = {**placement.env, **request.env}
+        record.stdout = SpoolFile(record.spool_dir / f"{job.job_id}.out", self.max_output_bytes)
+        record.stderr = SpoolFile(record.spool_dir / f"{job.job_id}.err", self.max_output_bytes)
+        stdin_action = (os.POSIX_SPAWN_OPEN, 0, "/dev/null", os.O_RDONLY, 0)
+        stdin_path = record.spool_dir / f"{job.job_id}.in"
+        if request.stdin is not None:
+            stdin_path.write_bytes(request.stdin.encode())
+            stdin_action = (os.POSIX_SPAWN_OPEN, 0, str(stdin_path), os.O_RDONLY, 0)
+        try:
+            record.pid = os.posix_spawn(str(self.helper), argv, env, file_actions=[
+                stdin_action,
+                (os.POSIX_SPAWN_DUP2, record.stdout.fd, 1),
+                (os.POSIX_SPAWN_DUP2, record.stderr.fd, 2),
+            ], setsid=True, setsigdef=(signal.SIGPIPE, signal.SIGXFSZ, signal.SIGINT, signal.SIGTERM))
+            job.status, job.started_at = "running", time.time()
+            exit_code, killed_for = await self._supervise(record)
+        finally:
+            stdin_path.unlink(missing_ok=True)
+        self._record_result(sandbox, record, exit_code, killed_for)
+
+    async def _supervise(self, record: JobRecord) -> tuple[int, Optional[str]]:
+        """Wait for the command; kill its process group on timeout or idle timeout."""
+        assert record.pid is not None and record.stdout and record.stderr
+        request = record.request
+        exited = self.reaper.wait(record.pid)
+        deadline = time.monotonic() + request.effective_timeout()
+        last_size, last_change = 0, time.monotonic()
+        killed_for: Optional[str] = None
+        while not exited.done():
+            remaining = deadline - time.monotonic()
+            await asyncio.wait([exited], timeout=max(0.0, min(POLL_SECONDS, remaining)))
+            if exited.done():
+                break
+            now = time.monotonic()
+            size = record.stdout.size() + record.stderr.size()
+            if size != last_size:
+                last_size, last_change = size, now
+                for spool in (record.stdout, record.stderr):
+                    spool.release_middle()
+            if killed_for is None and now >= deadline:
+                killed_for = f"command timed out after {request.effective_timeout():g}s"
+            elif killed_for is None and request.idle_timeout_seconds and now - last_change >= request.idle_timeout_seconds:
+                killed_for = f"command produced no output for {request.idle_timeout_seconds:g}s"
+            if killed_for is not None:
+                try:
+                    os.killpg(record.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        return exited.result(), killed_for
+
+    def _record_result(self, sandbox: SandboxState, record: JobRecord, exit_code: int, killed_for: Optional[str]) -> None:
+        job = record.job
+        assert record.stdout and record.stderr
+        out, err = record.stdout.capture(), record.stderr.capture()
+        stderr = strip_tty_warnings(err.text) if record.request.login_shell else err.text
+        job.stdout, job.stdout_bytes = out.text, out.size
+        job.stderr, job.stderr_bytes = stderr, err.size
+        job.truncated = out.truncated or err.truncated
+        job.completed_at = time.time()
+        job.exit_code = exit_code
+        if killed_for is not None:
+            job.exit_code, job.error_type, job.error = TIMEOUT_EXIT_CODE, "timeout", killed_for
+            job.stderr += f"\n[orchard] {killed_for}; killed it and its process group (exit code 124)\n"
+        elif sandbox.status == "lost":
+            job.error_type, job.error = "sandbox_lost", f"sandbox lost while the command ran: {sandbox.status_message}"
+        elif exit_code == 125 and stderr.startswith("orchard-enter:"):
+            job.error_type, job.error = "internal", stderr.strip()
+        job.status = "succeeded" if job.exit_code == 0 and job.error_type is None else "failed"
+
+    async def stream(self, record: JobRecord) -> AsyncIterator[dict]:
+        """Yield output chunks as they come, then ``{"type": "exit", "job": ...}``."""
+        record.readers += 1
+        try:
+            async for event in self._stream(record):
+                yield event
+        finally:
+            record.readers -= 1
+            record.release_spools()
+
+    async def _stream(self, record: JobRecord) -> AsyncIterator[dict]:
+        if record.done.is_set() and (record.stdout is None or record.stdout.fd < 0):
+            for name in ("stdout", "stderr"):  # finished before we came: replay the record
+                if getattr(record.job, name):
+                    yield {"type": name, "data": getattr(record.job, name)}
+            yield {"type": "exit", "job": record.job.model_dump()}
+            return
+        decoders = {name: codecs.getincrementaldecoder("utf-8")("replace") for name in ("stdout", "stderr")}
+        offsets = {"stdout": 0, "stderr": 0}
+        while True:
+            finished = record.done.is_set()
+            for name in ("stdout", "stderr"):
+                spool: Optional[SpoolFile] = getattr(record, name)
+                if spool is None or spool.fd < 0:
+                    continue
+                size = spool.size()
+                if spool.punched_to > offsets[name]:
+                    yield {"type": name, "data": f"\n[orchard: output skipped to {spool.punched_to}]\n"}
+                    offsets[name] = spool.punched_to
+                while offsets[name] < size:
+                    chunk = spool.read_range(offsets[name], min(size - offsets[name], 1 << 16))
+                    if not chunk:
+                        break
+                    offsets[name] += len(chunk)
+                    text = decoders[name].decode(chunk)
+                    if text:
+                        yield {"type": name, "data": text}
+            if finished:
+                break
+            try:
+                await asyncio.wait_for(record.done.wait(), STREAM_POLL_SECONDS)
+            except asyncio.TimeoutError:
+                pass
+        yield {"type": "exit", "job": record.job.model_dump()}

@@ -1,0 +1,94 @@
+"""Run an exec agent: ``orchard agent serve`` (or ``python -m orchard.agent``).
+
+The agent is its own process, never a thread of a server, so a server crash or
+restart does not take sandboxes or running commands with it. On start it writes
+``agent.json`` (pid, address) into its private state directory; its token lives
+beside it with mode 0600.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+from pathlib import Path
+from typing import Optional
+
+import uvicorn
+
+from orchard.agent.app import create_app
+from orchard.agent.service import AgentService
+from orchard.agent.settings import AgentSettings
+
+
+def load_or_create_token(settings: AgentSettings) -> str:
+    token = os.environ.get("ORCHARD_AGENT_TOKEN")
+    if token:
+        return token
+    path = settings.agent_dir / "token"
+    if path.exists():
+        return path.read_text().strip()
+    token = secrets.token_urlsafe(32)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as handle:
+        handle.write(token)
+    return token
+
+
+def serve(settings: AgentSettings, uds: Optional[Path] = None, host: str = "127.0.0.1", port: int = 0,
+          log_level: str = "warning") -> None:
+    settings.make_dirs()
+    token = load_or_create_token(settings)
+    service = AgentService(settings)
+    app = create_app(service, token)
+    if uds is None and port == 0:
+        uds = settings.agent_dir / "agent.sock"
+    if uds is not None and uds.exists():
+        uds.unlink()
+    # loop="asyncio": uvloop reserves SIGCHLD, which the reaper needs.
+    config = uvicorn.Config(app, uds=str(uds) if uds else None, host=host, port=port, log_level=log_level,
+                            access_log=False, lifespan="on", loop="asyncio", timeout_keep_alive=60, backlog=4096)
+    server = uvicorn.Server(config)
+    address = f"unix://{uds}" if uds else f"http://{host}:{port}"
+    info_path = settings.agent_dir / "agent.json"
+
+    original_startup = server.startup
+
+    async def startup(sockets=None) -> None:
+        await original_startup(sockets)
+        if server.started:
+            if uds is not None:
+                os.chmod(uds, 0o600)
+            info_path.write_text(json.dumps({"pid": os.getpid(), "address": address, "runtime": settings.runtime}))
+
+    server.startup = startup  # type: ignore[method-assign]
+    try:
+        server.run()
+    finally:
+        info_path.unlink(missing_ok=True)
+
+
+def main() -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="orchard-agent", description=__doc__)
+    parser.add_argument("--state-dir", type=Path)
+    parser.add_argument("--runtime")
+    parser.add_argument("--uds", type=Path)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--settings-json", help="AgentSettings as JSON")
+    parser.add_argument("--log-level", default="warning")
+    args = parser.parse_args()
+    data = json.loads(args.settings_json) if args.settings_json else {}
+    if args.state_dir:
+        data["state_dir"] = str(args.state_dir)
+    if args.runtime:
+        data["runtime"] = args.runtime
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    serve(AgentSettings(**data), uds=args.uds, host=args.host, port=args.port, log_level=args.log_level)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,66 @@
+"""The isolation-runtime interface: how the agent starts, enters and stops sandboxes.
+
+Built-in runtimes are ``direct`` (commands run in the agent's own container) and
+``bwrap`` (one set of namespaces per sandbox, held by a tiny holder process).
+Plugins add more through ``orchard_register_runtimes``.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, ClassVar, Optional
+
+if TYPE_CHECKING:
+    from orchard.agent.cgroups import CgroupManager
+    from orchard.agent.images import ImageStore
+    from orchard.agent.reaper import ChildReaper
+    from orchard.agent.sandbox import SandboxState
+    from orchard.agent.settings import AgentSettings
+
+
+@dataclass
+class RuntimeContext:
+    """What every runtime gets from the agent."""
+
+    settings: "AgentSettings"
+    helper: Path  # the static orchard-enter binary
+    cgroups: "CgroupManager"
+    images: "ImageStore"
+    reaper: "ChildReaper"
+
+
+class IsolationRuntime(ABC):
+    name: ClassVar[str]
+
+    def __init__(self, context: RuntimeContext) -> None:
+        self.context = context
+
+    @classmethod
+    def unavailable_reason(cls) -> Optional[str]:
+        """None if this runtime can run here, else a reason a person can act on."""
+        return None
+
+    @abstractmethod
+    async def start(self, sandbox: "SandboxState") -> None:
+        """Create the sandbox and set ``sandbox.placement``; raise a typed error on failure."""
+
+    @abstractmethod
+    async def stop(self, sandbox: "SandboxState") -> None:
+        """Kill everything in the sandbox and remove what it left on the host."""
+
+    def command(self, sandbox: "SandboxState", argv: list[str], cwd: str) -> list[str]:
+        """The argv the agent spawns to run ``argv`` in ``cwd`` inside the sandbox."""
+        placement = sandbox.placement
+        assert placement is not None
+        full = [str(self.context.helper)]
+        if sandbox.cgroup is not None:
+            for procs in sandbox.cgroup.procs_files:
+                full += ["--cgroup", procs]
+        if placement.target_pid is not None:
+            full += ["--target", str(placement.target_pid)]
+        full += ["--cwd", cwd]
+        if placement.uid is not None:
+            full += ["--uid", str(placement.uid), "--gid", str(placement.gid)]
+        return full + ["--", *argv]

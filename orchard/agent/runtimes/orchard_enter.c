@@ -1,0 +1,167 @@
+/*
+ * orchard-enter: the one exec between the agent and a sandboxed command.
+ *
+ * Why a helper: nsenter + setpriv would need setpriv inside every image, and a
+ * shell wrapper to join cgroups costs another exec. This does it all in one:
+ *
+ *   orchard-enter [--cgroup FILE]... [--target PID --cwd DIR] [--uid N --gid N] -- ARGV...
+ *
+ *   --cgroup FILE  write our pid into FILE (a cgroup.procs) before anything else,
+ *                  so every process the command starts is accounted and limited;
+ *   --target PID   join all namespaces of PID (its user namespace last: bwrap may
+ *                  nest it below the one owning the others), chroot into its root,
+ *                  chdir to --cwd, drop the bounding set and all capabilities, set
+ *                  no_new_privs, then fork so the child lands in the PID namespace;
+ *                  the parent waits and exits with the child's status;
+ *   --uid/--gid    switch to these ids (inside the user namespace with --target).
+ *   --hold         instead of a command, be a sandbox's holder: PID 1 of its namespaces,
+ *                  reaping orphans until killed; write one line to --ready-fd first.
+ *
+ * Exit status 125 means the helper itself failed; its reason is on stderr.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <grp.h>
+#include <linux/capability.h>
+#include <sched.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/prctl.h>
+#include <sys/syscall.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#define MAX_CGROUPS 8
+
+static void die(const char *what, const char *arg) {
+    fprintf(stderr, "orchard-enter: %s%s%s: %s\n", what, arg ? " " : "", arg ? arg : "",
+            strerror(errno));
+    _exit(125);
+}
+
+static void join_cgroup(const char *procs_file) {
+    int fd = open(procs_file, O_WRONLY | O_CLOEXEC);
+    if (fd < 0) die("open cgroup", procs_file);
+    char buf[32];
+    int n = snprintf(buf, sizeof buf, "%d\n", (int)getpid());
+    if (write(fd, buf, n) != n) die("join cgroup", procs_file);
+    close(fd);
+}
+
+static int open_ns(const char *pid, const char *name) {
+    char path[64];
+    snprintf(path, sizeof path, "/proc/%s/%s", pid, name);
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) die("open", path);
+    return fd;
+}
+
+static void drop_all_capabilities(void) {
+    for (int cap = 0; cap <= 63; cap++) {
+        if (prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) < 0 && errno == EINVAL) break;
+    }
+    prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0);
+}
+
+static void clear_capability_sets(void) {
+    struct __user_cap_header_struct hdr = {_LINUX_CAPABILITY_VERSION_3, 0};
+    struct __user_cap_data_struct data[2];
+    memset(data, 0, sizeof data);
+    if (syscall(SYS_capset, &hdr, data) < 0) die("capset", NULL);
+}
+
+static void switch_ids(long uid, long gid) {
+    if (gid >= 0) {
+        if (setgroups(0, NULL) < 0 && errno != EPERM) die("setgroups", NULL);
+        if (setresgid(gid, gid, gid) < 0) die("setgid", NULL);
+    }
+    if (uid >= 0 && setresuid(uid, uid, uid) < 0) die("setuid", NULL);
+}
+
+static int hold(int ready_fd) {
+    sigset_t chld;
+    sigemptyset(&chld);
+    sigaddset(&chld, SIGCHLD);
+    sigprocmask(SIG_BLOCK, &chld, NULL);
+    if (ready_fd >= 0) {
+        if (write(ready_fd, "ready\n", 6) != 6) return 125;
+        close(ready_fd);
+    }
+    for (;;) {
+        sigwaitinfo(&chld, NULL);
+        while (waitpid(-1, NULL, WNOHANG) > 0) {}
+    }
+}
+
+static int wait_and_relay(pid_t child) {
+    int status;
+    while (waitpid(child, &status, 0) < 0) {
+        if (errno != EINTR) die("waitpid", NULL);
+    }
+    if (WIFEXITED(status)) return WEXITSTATUS(status);
+    return 128 + WTERMSIG(status);
+}
+
+int main(int argc, char **argv) {
+    const char *cgroups[MAX_CGROUPS];
+    int n_cgroups = 0;
+    const char *target = NULL, *cwd = NULL;
+    long uid = -1, gid = -1;
+    int i = 1, holder = 0, ready_fd = -1;
+    for (; i < argc; i++) {
+        if (!strcmp(argv[i], "--")) { i++; break; }
+        if (!strcmp(argv[i], "--hold")) { holder = 1; continue; }
+        if (i + 1 >= argc) { fprintf(stderr, "orchard-enter: %s needs a value\n", argv[i]); return 125; }
+        if (!strcmp(argv[i], "--cgroup") && n_cgroups < MAX_CGROUPS) cgroups[n_cgroups++] = argv[++i];
+        else if (!strcmp(argv[i], "--target")) target = argv[++i];
+        else if (!strcmp(argv[i], "--cwd")) cwd = argv[++i];
+        else if (!strcmp(argv[i], "--uid")) uid = strtol(argv[++i], NULL, 10);
+        else if (!strcmp(argv[i], "--gid")) gid = strtol(argv[++i], NULL, 10);
+        else if (!strcmp(argv[i], "--ready-fd")) ready_fd = (int)strtol(argv[++i], NULL, 10);
+        else { fprintf(stderr, "orchard-enter: unknown option %s\n", argv[i]); return 125; }
+    }
+    if (holder) return hold(ready_fd);
+    if (i >= argc) { fprintf(stderr, "orchard-enter: no command\n"); return 125; }
+    char **command = argv + i;
+
+    for (int c = 0; c < n_cgroups; c++) join_cgroup(cgroups[c]);
+
+    if (target) {
+        static const char *names[] = {"ns/ipc", "ns/uts", "ns/net", "ns/pid", "ns/cgroup", "ns/mnt", "ns/user"};
+        int fds[7];
+        for (int k = 0; k < 7; k++) fds[k] = open_ns(target, names[k]);
+        int root = open_ns(target, "root");
+        for (int k = 0; k < 7; k++) {
+            if (setns(fds[k], 0) < 0) die("setns", names[k]);
+            close(fds[k]);
+        }
+        if (fchdir(root) < 0 || chroot(".") < 0) die("chroot", NULL);
+        close(root);
+        if (chdir(cwd ? cwd : "/") < 0) die("chdir", cwd ? cwd : "/");
+    } else if (cwd && chdir(cwd) < 0) {
+        die("chdir", cwd);
+    }
+    if (target) {
+        drop_all_capabilities();
+        if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) < 0) die("no_new_privs", NULL);
+        switch_ids(uid, gid);
+        clear_capability_sets();
+        pid_t child = fork();
+        if (child < 0) die("fork", NULL);
+        if (child > 0) {
+            /* Stay out of the way of job control: the parent only relays the status. */
+            signal(SIGINT, SIG_IGN);
+            signal(SIGQUIT, SIG_IGN);
+            return wait_and_relay(child);
+        }
+        prctl(PR_SET_PDEATHSIG, SIGKILL, 0, 0, 0);
+    } else {
+        switch_ids(uid, gid);
+    }
+    execvp(command[0], command);
+    fprintf(stderr, "orchard-enter: cannot run %s: %s\n", command[0], strerror(errno));
+    _exit(errno == ENOENT ? 127 : 126);
+}

@@ -1,0 +1,55 @@
+"""What the agent knows about one sandbox it hosts."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from orchard.agent.cgroups import SandboxCgroup
+from orchard.models import Sandbox, SandboxSpec, SandboxStatus
+
+
+@dataclass
+class Placement:
+    """Where a started sandbox lives, as its runtime reports it."""
+
+    root: str  # host path of the sandbox's root directory, for file calls
+    target_pid: Optional[int] = None  # whose namespaces commands join (None: run in place)
+    holder_pid: Optional[int] = None  # whose exit means the sandbox is lost
+    uid: Optional[int] = None  # ids inside the sandbox
+    gid: Optional[int] = None
+    file_owner: Optional[tuple[int, int]] = None  # host ids that new files get
+    shell: str = "bash"
+    env: dict[str, str] = field(default_factory=dict)
+    default_cwd: str = "/"
+    mounts: list[Path] = field(default_factory=list)  # host mounts to undo, innermost first
+
+
+@dataclass
+class SandboxState:
+    spec: SandboxSpec
+    sandbox_id: str
+    runtime: str
+    state_dir: Path
+    status: SandboxStatus = "pending"
+    status_message: Optional[str] = None
+    placement: Optional[Placement] = None
+    cgroup: Optional[SandboxCgroup] = None
+    created_at: float = field(default_factory=time.time)
+    last_used: float = field(default_factory=time.monotonic)
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    ready_event: asyncio.Event = field(default_factory=asyncio.Event)
+    deleting: bool = False
+    holder_exit: Optional["asyncio.Future[int]"] = None
+
+    def to_model(self) -> Sandbox:
+        spec = self.spec
+        return Sandbox(
+            sandbox_id=self.sandbox_id, image=spec.image, status=self.status,
+            ready=self.status == "ready", status_message=self.status_message,
+            block_network=spec.block_network, cpu=spec.cpu, memory=spec.memory, disk=spec.disk,
+            pids=spec.pids, labels=spec.labels, runtime=self.runtime, created_at=self.created_at,
+        )

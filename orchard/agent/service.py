@@ -1,0 +1,336 @@
+"""The agent's state and operations: sandboxes, jobs, files. The HTTP app is a thin
+layer over this, so the same code serves every transport and is easy to test."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import logging
+import os
+import resource
+import secrets
+import shutil
+import time
+from pathlib import Path, PurePosixPath
+from typing import AsyncIterator, Optional
+
+from orchard.agent.cgroups import CgroupManager
+from orchard.agent.files import SandboxFiles
+from orchard.agent.images import ImageStore
+from orchard.agent.jobs import JobRecord, JobRunner
+from orchard.agent.reaper import ChildReaper
+from orchard.agent.runtimes.api import IsolationRuntime, RuntimeContext
+from orchard.agent.runtimes.helper import helper_path
+from orchard.agent.runtimes.mounts import unmount
+from orchard.agent.sandbox import SandboxState
+from orchard.agent.settings import AgentSettings
+from orchard.errors import (
+    InvalidRequest, JobNotFound, OrchardError, QuotaExceeded, RuntimeUnavailable, SandboxConflict, SandboxLost,
+    SandboxNotFound, SandboxNotReady,
+)
+from orchard.models import (
+    ExecRequest, FileContent, FileList, FileUpload, FileUploaded, Job, PatchRequest, PatchResult, QueuedJob,
+    Sandbox, SandboxSpec,
+)
+from orchard.plugins import collect, emit_event
+
+log = logging.getLogger("orchard.agent")
+PURGE_INTERVAL = 30.0
+
+
+def _write_share_files(settings: AgentSettings) -> None:
+    uid, gid = settings.sandbox_uid, settings.sandbox_gid
+    files = {
+        "passwd": f"root:x:0:0:root:/root:/bin/bash\nuser:x:{uid}:{gid}:Orchard sandbox:/home/user:/bin/bash\n"
+                  "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n",
+        "group": f"root:x:0:\nuser:x:{gid}:\nnogroup:x:65534:\n",
+        "hosts": "127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n",
+    }
+    for name, text in files.items():
+        path = settings.share_dir / name
+        path.write_text(text)
+        os.chmod(path, 0o644)
+
+
+class AgentService:
+    def __init__(self, settings: AgentSettings) -> None:
+        self.settings = settings
+        self.sandboxes: dict[str, SandboxState] = {}
+        self.jobs: dict[str, JobRecord] = {}
+        self.reaper = ChildReaper()
+        self.started_at = time.time()
+        self._tasks: set[asyncio.Task] = set()
+        self.runtime: Optional[IsolationRuntime] = None
+
+    # -- life cycle ----------------------------------------------------------------
+    async def start(self) -> None:
+        settings = self.settings
+        settings.make_dirs()
+        _write_share_files(settings)
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        runtimes = collect("orchard_register_runtimes")
+        if settings.runtime not in runtimes:
+            raise RuntimeUnavailable(f"unknown runtime {settings.runtime!r}; installed: {', '.join(sorted(runtimes))}")
+        runtime_cls = runtimes[settings.runtime]
+        reason = runtime_cls.unavailable_reason()
+        if reason:
+            raise RuntimeUnavailable(f"runtime {settings.runtime!r} cannot run here: {reason}")
+        self.reaper.install(asyncio.get_running_loop())
+        helper = helper_path(settings.share_dir)
+        privileged = os.geteuid() == 0
+        owner = (settings.host_uid, settings.host_gid) if privileged else None
+        self.cgroups = CgroupManager(agent_name=settings.state_dir.name + "-" + str(abs(hash(settings.state_dir)) % 10**8))
+        self._clean_leftovers()
+        images = ImageStore(settings.images_dir, owner, settings.insecure_registries, self.reaper)
+        context = RuntimeContext(settings=settings, helper=helper, cgroups=self.cgroups, images=images,
+                                 reaper=self.reaper)
+        self.runtime = runtime_cls(context)
+        self.jobs_runner = JobRunner(self.reaper, helper, settings.max_output_bytes)
+        self._spawn(self._purge_loop())
+
+    def _clean_leftovers(self) -> None:
+        """A previous agent on this state dir died: its sandboxes died with it (their
+        holders run with --die-with-parent); remove what they left on the host."""
+        for entry in self.settings.sandboxes_dir.iterdir():
+            for mount_point in (entry / "root", entry / "layer"):
+                try:
+                    unmount(mount_point)
+                except OSError:
+                    pass
+            shutil.rmtree(entry, ignore_errors=True)
+        for group in self.cgroups.leftovers():
+            from orchard.agent.cgroups import SandboxCgroup
+            leftover = SandboxCgroup({"x": group})
+            leftover.kill_all()
+            leftover.remove()
+        for spool in self.settings.jobs_dir.iterdir():
+            spool.unlink(missing_ok=True)
+
+    async def stop(self) -> None:
+        await asyncio.gather(*(self.delete(sid) for sid in list(self.sandboxes)), return_exceptions=True)
+        for task in self._tasks:
+            task.cancel()
+
+    def _spawn(self, coro) -> asyncio.Task:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def _purge_loop(self) -> None:
+        while True:
+            await asyncio.sleep(PURGE_INTERVAL)
+            cutoff = time.monotonic() - self.settings.job_retention_seconds
+            for job_id, record in list(self.jobs.items()):
+                if record.done.is_set() and record.finished_at < cutoff:
+                    del self.jobs[job_id]
+
+    # -- sandboxes -----------------------------------------------------------------
+    def _get(self, sandbox_id: str) -> SandboxState:
+        sandbox = self.sandboxes.get(sandbox_id)
+        if sandbox is None:
+            raise SandboxNotFound(f"sandbox {sandbox_id!r} not found")
+        sandbox.last_used = time.monotonic()
+        return sandbox
+
+    def _ready(self, sandbox_id: str) -> SandboxState:
+        sandbox = self._get(sandbox_id)
+        if sandbox.status == "lost":
+            raise SandboxLost(f"sandbox {sandbox_id!r} was lost: {sandbox.status_message}")
+        if sandbox.status == "failed":
+            raise SandboxNotReady(f"sandbox {sandbox_id!r} failed to start: {sandbox.status_message}")
+        if sandbox.status != "ready":
+            raise SandboxNotReady(f"sandbox {sandbox_id!r} is {sandbox.status}; wait for it to be ready")
+        return sandbox
+
+    async def create(self, spec: SandboxSpec) -> Sandbox:
+        sandbox_id = spec.sandbox_id or f"sbx-{secrets.token_hex(6)}"
+        existing = self.sandboxes.get(sandbox_id)
+        if existing is not None:
+            if existing.spec.identity() != spec.identity():
+                raise SandboxConflict(f"sandbox {sandbox_id!r} already exists with a different spec")
+            await self._wait_ready(existing, spec.timeout or self.settings.ready_timeout)
+            return existing.to_model()
+        if len(self.sandboxes) >= self.settings.max_sandboxes:
+            raise QuotaExceeded(f"this agent already hosts {len(self.sandboxes)} sandboxes (max_sandboxes)")
+        assert self.runtime is not None
+        sandbox = SandboxState(spec=spec.model_copy(update={"sandbox_id": sandbox_id}), sandbox_id=sandbox_id,
+                               runtime=self.runtime.name, state_dir=self.settings.sandboxes_dir / sandbox_id)
+        self.sandboxes[sandbox_id] = sandbox
+        try:
+            await self.runtime.start(sandbox)
+        except Exception as exc:
+            sandbox.status = "failed"
+            sandbox.status_message = exc.message if isinstance(exc, OrchardError) else f"{type(exc).__name__}: {exc}"
+            sandbox.ready_event.set()
+            emit_event({"type": "failed", "sandbox_id": sandbox_id, "time": time.time(), "reason": sandbox.status_message})
+            await self._release(sandbox)
+            del self.sandboxes[sandbox_id]
+            if isinstance(exc, OrchardError):
+                raise
+            log.exception("creating sandbox %s failed", sandbox_id)
+            raise RuntimeUnavailable(f"creating sandbox failed: {sandbox.status_message}") from exc
+        if sandbox.holder_exit is not None:
+            sandbox.holder_exit.add_done_callback(lambda fut: self._holder_exited(sandbox, fut))
+        sandbox.status = "ready"
+        sandbox.ready_event.set()
+        emit_event({"type": "ready", "sandbox_id": sandbox_id, "time": time.time()})
+        return sandbox.to_model()
+
+    def _holder_exited(self, sandbox: SandboxState, future: "asyncio.Future[int]") -> None:
+        if sandbox.deleting or sandbox.status != "ready":
+            return
+        code = future.result() if not future.cancelled() else -1
+        reason = f"sandbox holder exited (code {code})"
+        if sandbox.cgroup is not None and sandbox.cgroup.memory_events_oom():
+            reason += "; the memory limit was hit (OOM)"
+        sandbox.status, sandbox.status_message = "lost", reason
+        log.warning("sandbox %s lost: %s", sandbox.sandbox_id, reason)
+        emit_event({"type": "lost", "sandbox_id": sandbox.sandbox_id, "time": time.time(), "reason": reason})
+        self._spawn(self._release(sandbox))
+
+    async def _release(self, sandbox: SandboxState) -> None:
+        assert self.runtime is not None
+        try:
+            await self.runtime.stop(sandbox)
+        except Exception:
+            log.exception("cleaning up sandbox %s failed", sandbox.sandbox_id)
+
+    async def _wait_ready(self, sandbox: SandboxState, timeout: float) -> None:
+        try:
+            await asyncio.wait_for(sandbox.ready_event.wait(), timeout)
+        except asyncio.TimeoutError:
+            pass
+
+    async def wait(self, sandbox_id: str, timeout: float) -> Sandbox:
+        sandbox = self._get(sandbox_id)
+        await self._wait_ready(sandbox, timeout)
+        return sandbox.to_model()
+
+    def get(self, sandbox_id: str) -> Sandbox:
+        return self._get(sandbox_id).to_model()
+
+    def list(self) -> list[Sandbox]:
+        return [sandbox.to_model() for sandbox in self.sandboxes.values()]
+
+    async def delete(self, sandbox_id: str) -> None:
+        sandbox = self._get(sandbox_id)
+        if sandbox.deleting:
+            return
+        sandbox.deleting = True
+        await self._release(sandbox)
+        sandbox.status = "deleted"
+        self.sandboxes.pop(sandbox_id, None)
+        for job_id in [j for j, r in self.jobs.items() if r.job.sandbox_id == sandbox_id and r.done.is_set()]:
+            del self.jobs[job_id]
+        emit_event({"type": "deleted", "sandbox_id": sandbox_id, "time": time.time()})
+
+    def heartbeat(self, sandbox_id: str) -> Sandbox:
+        return self._get(sandbox_id).to_model()
+
+    # -- exec ----------------------------------------------------------------------
+    def _resolve_cwd(self, sandbox: SandboxState, cwd: Optional[str]) -> str:
+        assert sandbox.placement is not None
+        default = sandbox.placement.default_cwd
+        if cwd is None:
+            return default
+        full = str(PurePosixPath(default) / cwd)
+        if not self._files(sandbox).is_dir(full):
+            raise InvalidRequest(f"cwd {full!r} does not exist in sandbox {sandbox.sandbox_id!r} (or is not a directory)")
+        return full
+
+    def submit(self, sandbox_id: str, request: ExecRequest, idempotency_key: Optional[str] = None) -> JobRecord:
+        """Queue a command; the same idempotency key returns the same job, never a second run."""
+        key = request.job_id or idempotency_key
+        if key is not None and key in self.jobs:
+            record = self.jobs[key]
+            if record.job.sandbox_id != sandbox_id or record.job.command != request.command_text():
+                raise SandboxConflict(f"job id {key!r} was already used for a different command")
+            return record
+        sandbox = self._ready(sandbox_id)
+        cwd = self._resolve_cwd(sandbox, request.cwd)
+        job_id = key or f"job-{secrets.token_hex(8)}"
+        job = Job(job_id=job_id, sandbox_id=sandbox_id, command=request.command_text(), status="queued",
+                  created_at=time.time())
+        record = JobRecord(job=job, request=request, spool_dir=self.settings.jobs_dir)
+        self.jobs[job_id] = record
+        assert self.runtime is not None
+        self._spawn(self.jobs_runner.run(sandbox, self.runtime, record, cwd))
+        return record
+
+    async def exec(self, sandbox_id: str, request: ExecRequest, idempotency_key: Optional[str] = None) -> Job | QueuedJob:
+        record = self.submit(sandbox_id, request, idempotency_key)
+        if not request.wait:
+            return QueuedJob(job_id=record.job.job_id, status=record.job.status)
+        await record.done.wait()
+        return record.job
+
+    def stream(self, sandbox_id: str, request: ExecRequest, idempotency_key: Optional[str] = None) -> AsyncIterator[dict]:
+        return self.jobs_runner.stream(self.submit(sandbox_id, request, idempotency_key))
+
+    def job(self, job_id: str) -> Job:
+        record = self.jobs.get(job_id)
+        if record is None:
+            raise JobNotFound(f"job {job_id!r} not found")
+        return record.job
+
+    async def wait_job(self, job_id: str, timeout: float) -> Job:
+        """The job when it is done, or as it is (status "running") when ``timeout`` ends."""
+        record = self.jobs.get(job_id)
+        if record is None:
+            raise JobNotFound(f"job {job_id!r} not found")
+        try:
+            await asyncio.wait_for(asyncio.shield(record.done.wait()), timeout)
+        except asyncio.TimeoutError:
+            pass
+        return record.job
+
+    # -- files ---------------------------------------------------------------------
+    def _files(self, sandbox: SandboxState) -> SandboxFiles:
+        placement = sandbox.placement
+        assert placement is not None
+        return SandboxFiles(placement.root, placement.file_owner, placement.default_cwd)
+
+    def upload(self, sandbox_id: str, upload: FileUpload) -> FileUploaded:
+        sandbox = self._ready(sandbox_id)
+        try:
+            data = base64.b64decode(upload.content, validate=True)
+        except (binascii.Error, ValueError):
+            raise InvalidRequest("content is not valid base64") from None
+        files = self._files(sandbox)
+        size = files.write(upload.path, data, upload.mode)
+        return FileUploaded(path=files._absolute(upload.path), size=size)
+
+    def download(self, sandbox_id: str, path: str) -> FileContent:
+        files = self._files(self._ready(sandbox_id))
+        data = files.read(path)
+        return FileContent(path=files._absolute(path), content=base64.b64encode(data).decode(), size=len(data))
+
+    def list_files(self, sandbox_id: str, path: str) -> FileList:
+        files = self._files(self._ready(sandbox_id))
+        return FileList(path=files._absolute(path), files=files.list(path))
+
+    async def apply_patch(self, sandbox_id: str, patch: PatchRequest) -> PatchResult:
+        request = ExecRequest(command="git apply --whitespace=nowarn -", stdin=patch.patch,
+                              timeout_seconds=patch.timeout_seconds or 60, wait=True)
+        job = await self.exec(sandbox_id, request)
+        assert isinstance(job, Job)
+        return PatchResult(success=job.exit_code == 0 and job.error_type is None, stdout=job.stdout,
+                           stderr=job.stderr, exit_code=job.exit_code)
+
+    # -- health --------------------------------------------------------------------
+    def resources(self) -> dict:
+        counts: dict[str, int] = {}
+        for sandbox in self.sandboxes.values():
+            counts[sandbox.status] = counts.get(sandbox.status, 0) + 1
+        running = sum(1 for r in self.jobs.values() if not r.done.is_set())
+        with open("/proc/meminfo") as meminfo:
+            fields = dict(line.split(":", 1) for line in meminfo)
+        return {
+            "runtime": self.settings.runtime, "sandboxes": counts, "max_sandboxes": self.settings.max_sandboxes,
+            "jobs_running": running, "cpus": os.cpu_count(),
+            "memory_available_bytes": int(fields["MemAvailable"].split()[0]) * 1024,
+            "cgroups": self.cgroups.mode, "uptime_seconds": time.time() - self.started_at,
+        }

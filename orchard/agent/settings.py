@@ -1,0 +1,65 @@
+"""Settings of one exec agent, and the layout of its state directory."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Optional
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+def default_state_dir() -> Path:
+    """Root keeps state in /var/lib/orchard (sandbox roots must be reachable by the
+    unprivileged sandbox uid, which /root is not); other users in ~/.local/state."""
+    if os.environ.get("ORCHARD_STATE_DIR"):
+        return Path(os.environ["ORCHARD_STATE_DIR"])
+    if os.geteuid() == 0:
+        return Path("/var/lib/orchard")
+    return Path(os.environ.get("XDG_STATE_HOME", Path.home() / ".local/state")) / "orchard"
+
+
+class AgentSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    state_dir: Path = Field(default_factory=default_state_dir)
+    runtime: str = Field("bwrap", description="isolation runtime: bwrap, direct, or a plugin's")
+    sandbox_uid: int = Field(1000, ge=0, description="uid of commands inside the sandbox")
+    sandbox_gid: int = Field(1000, ge=0)
+    host_uid: int = Field(100000, gt=0, description="unprivileged host uid sandboxes map to (root agents)")
+    host_gid: int = Field(100000, gt=0)
+    default_memory: Optional[str] = Field("4Gi", description="memory limit when a sandbox sets none")
+    default_pids: Optional[int] = Field(4096, description="process limit when a sandbox sets none")
+    default_disk: Optional[str] = Field("10Gi", description="writable-layer quota when a sandbox sets none")
+    max_output_bytes: int = Field(1 << 20, ge=1024, description="kept per stream: half head, half tail")
+    job_retention_seconds: float = Field(3600, gt=0)
+    ready_timeout: float = Field(60, gt=0)
+    max_sandboxes: int = Field(5000, gt=0)
+    insecure_registries: list[str] = Field(default_factory=lambda: ["localhost", "127.0.0.1"])
+    host_paths: list[str] = Field(default_factory=list, description="extra read-only host paths for the host image")
+
+    @property
+    def agent_dir(self) -> Path:
+        return self.state_dir / "agent"
+
+    @property
+    def jobs_dir(self) -> Path:
+        return self.state_dir / "jobs"
+
+    @property
+    def sandboxes_dir(self) -> Path:
+        return self.state_dir / "sandboxes"
+
+    @property
+    def share_dir(self) -> Path:
+        return self.state_dir / "share"
+
+    @property
+    def images_dir(self) -> Path:
+        return self.state_dir / "images"
+
+    def make_dirs(self) -> None:
+        for path, mode in [(self.state_dir, 0o711), (self.agent_dir, 0o700), (self.jobs_dir, 0o700),
+                           (self.sandboxes_dir, 0o711), (self.share_dir, 0o755), (self.images_dir, 0o711)]:
+            path.mkdir(parents=True, exist_ok=True)
+            os.chmod(path, mode)

@@ -1,0 +1,75 @@
+"""Command output spooled to files, capped so a runaway command cannot fill memory or disk.
+
+Commands write straight into a file (a leftover background process can never hold a
+pipe open and hang a call). What is returned keeps the head and the tail; while a
+command runs, the middle of a growing file is released with ``FALLOC_FL_PUNCH_HOLE``,
+so even a flood of gigabytes holds only about ``2 * limit`` bytes on disk.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+_FALLOC_FL_KEEP_SIZE = 0x01
+_FALLOC_FL_PUNCH_HOLE = 0x02
+_BLOCK = 4096
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
+
+
+@dataclass
+class Captured:
+    text: str
+    size: int
+    truncated: bool
+
+
+class SpoolFile:
+    """One output stream of one job (stdout or stderr)."""
+
+    def __init__(self, path: Path, limit: int) -> None:
+        self.path = path
+        self.limit = limit  # bytes kept: half from the head, half from the tail
+        self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        self.punched_to = 0
+
+    def size(self) -> int:
+        return os.fstat(self.fd).st_size
+
+    def release_middle(self, keep_from: int | None = None) -> None:
+        """Punch out bytes between the head and the tail (and before ``keep_from``)."""
+        size = self.size()
+        head = self.limit // 2
+        end = size - self.limit // 2 if keep_from is None else min(keep_from, size - self.limit // 2)
+        start = max(head, self.punched_to)
+        start = (start + _BLOCK - 1) // _BLOCK * _BLOCK
+        end = end // _BLOCK * _BLOCK
+        if end - start >= 16 * _BLOCK:
+            if _libc.fallocate(self.fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, start, end - start) == 0:
+                self.punched_to = end
+
+    def read_range(self, offset: int, length: int) -> bytes:
+        return os.pread(self.fd, length, offset)
+
+    def capture(self) -> Captured:
+        size = self.size()
+        if size <= self.limit:
+            data = self.read_range(0, size)
+            return Captured(data.decode("utf-8", "replace"), size, False)
+        half = self.limit // 2
+        head = self.read_range(0, half).decode("utf-8", "replace")
+        tail = self.read_range(size - half, half).decode("utf-8", "replace")
+        marker = f"\n[orchard: {size - 2 * half} bytes of output truncated]\n"
+        return Captured(head + marker + tail, size, True)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+        try:
+            self.path.unlink()
+        except FileNotFoundError:
+            pass

@@ -1,0 +1,1 @@
+"""Sandbox backends: where sandboxes live. ``local`` is built in; others are plugins."""

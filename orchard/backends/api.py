@@ -1,0 +1,71 @@
+"""The interface every sandbox backend implements, built in or third party.
+
+A backend decides *where* sandboxes live and how agents get there. Commands and
+files never go through it: callers talk to the agent at :meth:`Backend.endpoint`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any, ClassVar, Optional
+
+from pydantic import BaseModel, ConfigDict
+
+from orchard.models import Sandbox, SandboxSpec
+
+
+class BackendConfig(BaseModel):
+    """Base of backend configs: unknown keys are errors that name the key."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class AgentEndpoint(BaseModel):
+    """Where the exec agent serving a sandbox listens: ``http://host:port`` or ``unix:///path``."""
+
+    url: str
+    token: Optional[str] = None
+
+
+class Backend(ABC):
+    name: ClassVar[str]
+    config_model: ClassVar[type[BackendConfig]] = BackendConfig
+
+    def __init__(self, config: BackendConfig) -> None:
+        self.config = config
+
+    @classmethod
+    def from_settings(cls, settings: dict[str, Any] | None = None) -> "Backend":
+        return cls(cls.config_model(**(settings or {})))
+
+    @classmethod
+    def unavailable_reason(cls) -> Optional[str]:
+        """None when this backend can run here, else why not (shown by ``orchard backends``)."""
+        return None
+
+    @abstractmethod
+    async def create(self, spec: SandboxSpec) -> Sandbox:
+        """Create a sandbox and wait up to ``spec.timeout`` for it to be ready."""
+
+    @abstractmethod
+    async def delete(self, sandbox_id: str) -> None:
+        """Delete a sandbox and everything in it; raise SandboxNotFound if unknown."""
+
+    @abstractmethod
+    async def list(self) -> list[Sandbox]:
+        """Every sandbox this backend has (the reconciler compares it with its records)."""
+
+    @abstractmethod
+    async def status(self, sandbox_id: str) -> Sandbox:
+        """The sandbox as the backend sees it now (``lost`` with a reason if it died)."""
+
+    @abstractmethod
+    async def endpoint(self, sandbox_id: str) -> AgentEndpoint:
+        """The agent that serves exec and file calls of this sandbox."""
+
+    async def resources(self) -> dict[str, Any]:
+        """Capacity and usage, for ``GET /resources``."""
+        return {}
+
+    async def close(self) -> None:
+        """Release clients and connections (sandboxes stay unless deleted)."""

@@ -1,0 +1,77 @@
+"""``local``: sandboxes on this machine (the embedded default).
+
+The backend itself is thin: it makes sure this machine's exec agent runs (a
+separate, long-lived process) and forwards life-cycle calls to it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+from typing import Any, Optional
+
+from pydantic import Field
+
+from orchard.agent.settings import AgentSettings
+from orchard.backends.api import AgentEndpoint, Backend, BackendConfig
+from orchard.backends.local.launcher import ensure_agent
+from orchard.client.http import ApiClient
+from orchard.models import Sandbox, SandboxSpec
+
+
+class LocalBackendConfig(BackendConfig):
+    agent: AgentSettings = Field(default_factory=AgentSettings, description="settings of the local exec agent")
+
+
+class LocalBackend(Backend):
+    name = "local"
+    config_model = LocalBackendConfig
+
+    def __init__(self, config: LocalBackendConfig) -> None:
+        super().__init__(config)
+        self.config: LocalBackendConfig = config
+        self._endpoint: Optional[AgentEndpoint] = None
+        self._api: Optional[ApiClient] = None
+        self._lock = asyncio.Lock()
+
+    @classmethod
+    def unavailable_reason(cls) -> Optional[str]:
+        if shutil.which("bwrap") is None:
+            return "bubblewrap is not installed (apt-get install bubblewrap); runtime 'direct' only by name"
+        return None
+
+    async def agent(self) -> ApiClient:
+        if self._api is None:
+            async with self._lock:
+                if self._api is None:
+                    self._endpoint = await asyncio.to_thread(ensure_agent, self.config.agent)
+                    self._api = ApiClient(self._endpoint.url, self._endpoint.token, max_connections=1024)
+        return self._api
+
+    async def create(self, spec: SandboxSpec) -> Sandbox:
+        api = await self.agent()
+        timeout = (spec.timeout or self.config.agent.ready_timeout) + 30
+        return Sandbox(**await api.request("POST", "/sandboxes", json_body=spec.model_dump(), timeout=timeout))
+
+    async def delete(self, sandbox_id: str) -> None:
+        await (await self.agent()).request("DELETE", f"/sandboxes/{sandbox_id}")
+
+    async def list(self) -> list[Sandbox]:
+        body = await (await self.agent()).request("GET", "/sandboxes")
+        return [Sandbox(**item) for item in body["sandboxes"]]
+
+    async def status(self, sandbox_id: str) -> Sandbox:
+        return Sandbox(**await (await self.agent()).request("GET", f"/sandboxes/{sandbox_id}"))
+
+    async def endpoint(self, sandbox_id: str) -> AgentEndpoint:
+        await self.agent()
+        assert self._endpoint is not None
+        return self._endpoint
+
+    async def resources(self) -> dict[str, Any]:
+        return await (await self.agent()).request("GET", "/resources")
+
+    async def close(self) -> None:
+        if self._api is not None:
+            await self._api.close()
+            self._api = None

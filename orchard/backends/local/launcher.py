@@ -1,0 +1,102 @@
+"""Find the local exec agent, or start one: a detached process that outlives its caller.
+
+Several programs on one machine share one agent per state directory; it is found
+through ``agent.json`` and checked with ``/health`` before use.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import httpx
+
+from orchard.agent.settings import AgentSettings
+from orchard.backends.api import AgentEndpoint
+from orchard.errors import BackendUnavailable
+
+START_TIMEOUT = 30.0
+
+
+def _healthy(address: str, timeout: float = 2.0) -> bool:
+    try:
+        if address.startswith("unix://"):
+            transport = httpx.HTTPTransport(uds=address.removeprefix("unix://"))
+            with httpx.Client(transport=transport, timeout=timeout) as client:
+                return client.get("http://agent/health").status_code == 200
+        return httpx.get(f"{address}/health", timeout=timeout).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
+def running_agent(settings: AgentSettings) -> Optional[dict]:
+    info_path = settings.agent_dir / "agent.json"
+    try:
+        info = json.loads(info_path.read_text())
+    except (OSError, ValueError):
+        return None
+    if _pid_alive(int(info["pid"])) and _healthy(info["address"]):
+        return info
+    return None
+
+
+def ensure_agent(settings: AgentSettings) -> AgentEndpoint:
+    """The endpoint of this state directory's agent, starting it if none is running."""
+    settings.make_dirs()
+    with open(settings.agent_dir / "launch.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # two programs starting at once get one agent
+        info = running_agent(settings)
+        if info is None:
+            info = _start(settings)
+    token = (settings.agent_dir / "token").read_text().strip()
+    return AgentEndpoint(url=info["address"], token=token)
+
+
+def _start(settings: AgentSettings) -> dict:
+    log_path = settings.agent_dir / "agent.log"
+    (settings.agent_dir / "agent.json").unlink(missing_ok=True)
+    env = {k: v for k, v in os.environ.items() if k not in ("ORCHARD_AGENT_TOKEN",)}
+    with open(log_path, "ab") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "orchard.agent", "--settings-json", settings.model_dump_json()],
+            stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True, env=env, close_fds=True)
+    deadline = time.monotonic() + START_TIMEOUT
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            tail = log_path.read_text(errors="replace").strip().splitlines()[-15:]
+            raise BackendUnavailable("the local exec agent failed to start:\n" + "\n".join(tail))
+        info = running_agent(settings)
+        if info is not None:
+            return info
+        time.sleep(0.05)
+    process.kill()
+    raise BackendUnavailable(f"the local exec agent did not start within {START_TIMEOUT:.0f}s; see {log_path}")
+
+
+def stop_agent(settings: AgentSettings, timeout: float = 20.0) -> bool:
+    """Stop this state directory's agent (its sandboxes are deleted); False if none ran."""
+    info = running_agent(settings)
+    if info is None:
+        return False
+    pid = int(info["pid"])
+    os.kill(pid, 15)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and _pid_alive(pid):
+        time.sleep(0.05)
+    return True

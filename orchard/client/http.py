@@ -1,0 +1,86 @@
+"""One async HTTP client for the Orchard Env API, against a server or an agent alike.
+
+Transient failures (connection refused or reset, 503) are retried with exponential
+backoff, but only for calls that are safe to repeat; exec is made safe by a job id
+chosen on the client, so a retried exec never runs twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+from typing import Any, AsyncIterator, Optional
+
+import httpx
+
+from orchard.errors import AgentUnreachable, OrchardError, error_from_body
+
+TRANSIENT_STATUS = {502, 503, 504}
+TRANSIENT_ERRORS = (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError,
+                    httpx.PoolTimeout, httpx.ConnectTimeout)
+
+
+def make_http_client(url: str, api_key: Optional[str], timeout: float, max_connections: int) -> httpx.AsyncClient:
+    headers = {"X-API-Key": api_key} if api_key else {}
+    limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
+    if url.startswith("unix://"):
+        transport = httpx.AsyncHTTPTransport(uds=url.removeprefix("unix://"), limits=limits)
+        return httpx.AsyncClient(base_url="http://orchard-agent", transport=transport, headers=headers,
+                                 timeout=timeout)
+    return httpx.AsyncClient(base_url=url.rstrip("/"), headers=headers, timeout=timeout, limits=limits)
+
+
+class ApiClient:
+    def __init__(self, url: str, api_key: Optional[str] = None, *, timeout: float = 60.0, retries: int = 5,
+                 max_connections: int = 256) -> None:
+        self.url = url
+        self.retries = retries
+        self.http = make_http_client(url, api_key, timeout, max_connections)
+
+    async def close(self) -> None:
+        await self.http.aclose()
+
+    async def request(self, method: str, path: str, *, json_body: Any = None, params: Optional[dict] = None,
+                      headers: Optional[dict] = None, timeout: Optional[float] = None, idempotent: bool = True) -> Any:
+        attempt = 0
+        while True:
+            try:
+                response = await self.http.request(
+                    method, path, json=json_body, params=params, headers=headers,
+                    timeout=timeout if timeout is not None else httpx.USE_CLIENT_DEFAULT)
+            except TRANSIENT_ERRORS as exc:
+                if not idempotent or attempt >= self.retries:
+                    raise AgentUnreachable(f"{self.url}{path}: {type(exc).__name__}: {exc}") from None
+            except httpx.TimeoutException as exc:
+                if not idempotent or attempt >= self.retries:
+                    raise AgentUnreachable(f"{self.url}{path}: timed out ({type(exc).__name__})") from None
+            else:
+                if response.status_code < 400:
+                    return response.json()
+                if response.status_code not in TRANSIENT_STATUS or not idempotent or attempt >= self.retries:
+                    raise self._error(response)
+            attempt += 1
+            await asyncio.sleep(min(2.0, 0.05 * 2 ** attempt) * (0.5 + random.random()))
+
+    @staticmethod
+    def _error(response: httpx.Response) -> OrchardError:
+        try:
+            body = response.json()
+        except ValueError:
+            body = response.text
+        return error_from_body(response.status_code, body)
+
+    async def stream(self, path: str, json_body: Any, timeout: Optional[float] = None) -> AsyncIterator[dict]:
+        """POST and yield each NDJSON event as it arrives."""
+        try:
+            async with self.http.stream("POST", path, json=json_body,
+                                        timeout=httpx.Timeout(timeout, connect=10.0) if timeout else None) as response:
+                if response.status_code >= 400:
+                    await response.aread()
+                    raise self._error(response)
+                async for line in response.aiter_lines():
+                    if line.strip():
+                        yield json.loads(line)
+        except TRANSIENT_ERRORS as exc:
+            raise AgentUnreachable(f"{self.url}{path}: {type(exc).__name__}: {exc}") from None

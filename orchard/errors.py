@@ -1,0 +1,160 @@
+"""Typed errors that cross the wire and come back as the same type in the SDK.
+
+Every error has an HTTP status and a stable ``type`` name. The body shape is
+``{"detail": message, "error": {"type": name, "message": message}}``.
+"""
+
+from __future__ import annotations
+
+
+class OrchardError(Exception):
+    """Base of every error Orchard raises on purpose."""
+
+    status_code = 500
+    error_type = "internal"  # the job-level error_type this maps to, where it applies
+
+    def __init__(self, message: str = "") -> None:
+        super().__init__(message or self.__class__.__doc__ or self.__class__.__name__)
+        self.message = str(self.args[0])
+
+    def to_body(self) -> dict:
+        return {"detail": self.message, "error": {"type": type(self).__name__, "message": self.message}}
+
+
+class InvalidRequest(OrchardError):
+    """The request is well-formed JSON but asks for something impossible."""
+
+    status_code = 422
+    error_type = "rejected"
+
+
+class AuthenticationFailed(OrchardError):
+    """Missing or wrong API key."""
+
+    status_code = 401
+    error_type = "rejected"
+
+
+class SandboxNotFound(OrchardError):
+    """No sandbox with this id exists (it never did, or it was deleted)."""
+
+    status_code = 404
+    error_type = "rejected"
+
+
+class JobNotFound(OrchardError):
+    """No job with this id exists (it never did, or its record expired)."""
+
+    status_code = 404
+    error_type = "rejected"
+
+
+class SandboxConflict(OrchardError):
+    """A sandbox with this id already exists with a different spec."""
+
+    status_code = 409
+    error_type = "rejected"
+
+
+class SandboxLost(OrchardError):
+    """The sandbox died underneath us (holder killed, pod evicted, job cancelled)."""
+
+    status_code = 410
+    error_type = "sandbox_lost"
+
+
+class SandboxNotReady(OrchardError):
+    """The sandbox exists but is not ready for commands yet."""
+
+    status_code = 409
+    error_type = "rejected"
+
+
+class ImageRejected(OrchardError):
+    """The image does not exist, cannot be pulled, or a policy refused it."""
+
+    status_code = 422
+    error_type = "rejected"
+
+
+class QuotaExceeded(OrchardError):
+    """A resource limit (sandboxes, disk, memory) would be exceeded."""
+
+    status_code = 429
+    error_type = "rejected"
+
+
+class RuntimeUnavailable(OrchardError):
+    """The isolation runtime cannot run here (e.g. bubblewrap is missing)."""
+
+    status_code = 503
+    error_type = "rejected"
+
+
+class BackendUnavailable(OrchardError):
+    """The backend is not usable on this machine or is temporarily down."""
+
+    status_code = 503
+    error_type = "agent_unreachable"
+
+
+class AgentUnreachable(OrchardError):
+    """The exec agent could not be reached (transient: retry)."""
+
+    status_code = 503
+    error_type = "agent_unreachable"
+
+
+class FileOperationFailed(OrchardError):
+    """A file call failed inside the sandbox (missing path, not a file, escape attempt)."""
+
+    status_code = 422
+    error_type = "rejected"
+
+
+class WaitTimeout(OrchardError):
+    """A server-side wait ended before the sandbox or job was done."""
+
+    status_code = 408
+    error_type = "timeout"
+
+
+class ExecTimeout(OrchardError):
+    """A command ran past its timeout and was killed (raised by ``check=True`` helpers)."""
+
+    status_code = 408
+    error_type = "timeout"
+
+
+class InternalError(OrchardError):
+    """A bug: please report it with the agent's log."""
+
+    status_code = 500
+    error_type = "internal"
+
+
+ERRORS_BY_NAME: dict[str, type[OrchardError]] = {
+    cls.__name__: cls
+    for cls in [
+        OrchardError, InvalidRequest, AuthenticationFailed, SandboxNotFound, JobNotFound,
+        SandboxConflict, SandboxLost, SandboxNotReady, ImageRejected, QuotaExceeded,
+        RuntimeUnavailable, BackendUnavailable, AgentUnreachable, FileOperationFailed,
+        WaitTimeout, ExecTimeout, InternalError,
+    ]
+}
+
+
+def error_from_body(status_code: int, body: object) -> OrchardError:
+    """Rebuild the typed error a server sent (falls back on the status code)."""
+    if isinstance(body, dict):
+        err = body.get("error")
+        if isinstance(err, dict) and err.get("type") in ERRORS_BY_NAME:
+            return ERRORS_BY_NAME[err["type"]](str(err.get("message", "")))
+        detail = body.get("detail")
+        message = detail if isinstance(detail, str) else repr(detail)
+    else:
+        message = str(body)
+    by_status = {401: AuthenticationFailed, 403: AuthenticationFailed, 404: SandboxNotFound,
+                 408: WaitTimeout, 409: SandboxConflict, 410: SandboxLost, 422: InvalidRequest,
+                 503: AgentUnreachable}
+    return by_status.get(status_code, InternalError)(f"HTTP {status_code}: {message}")
