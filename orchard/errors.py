@@ -158,3 +158,13 @@ def error_from_body(status_code: int, body: object) -> OrchardError:
                  408: WaitTimeout, 409: SandboxConflict, 410: SandboxLost, 422: InvalidRequest,
                  503: AgentUnreachable}
     return by_status.get(status_code, InternalError)(f"HTTP {status_code}: {message}")
+
+
+class CommandFailed(OrchardError):
+    """A command exited non-zero and the caller asked for ``check=True``."""
+
+    status_code = 200
+    error_type = "rejected"
+
+
+ERRORS_BY_NAME["CommandFailed"] = CommandFailed

@@ -1,0 +1,1 @@
+"""Benchmarks behind ``orchard bench``: measured figures, not timed unit tests."""

@@ -1,0 +1,1 @@
+"""The ``orchard`` command line."""

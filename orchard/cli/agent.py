@@ -1,0 +1,57 @@
+"""``orchard agent``: run, inspect or stop this machine's exec agent."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import click
+
+from orchard.cli.common import console, handle_errors, json_option, out, print_json
+
+
+@click.group()
+def agent() -> None:
+    """The exec agent (the process that runs commands in sandboxes)."""
+
+
+@agent.command("serve")
+@click.option("--state-dir", type=click.Path(path_type=Path), default=None)
+@click.option("--runtime", default=None, help="bwrap (default), direct, or a plugin's runtime")
+@click.option("--uds", type=click.Path(path_type=Path), default=None, help="listen on this Unix socket")
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", type=int, default=0, help="listen on TCP (0: Unix socket in the state dir)")
+def serve(state_dir: Optional[Path], runtime: Optional[str], uds: Optional[Path], host: str, port: int) -> None:
+    """Run an agent in the foreground."""
+    from orchard.agent.main import serve as run
+    from orchard.agent.settings import AgentSettings
+
+    settings = AgentSettings(**{k: v for k, v in {"state_dir": state_dir, "runtime": runtime}.items() if v})
+    run(settings, uds=uds, host=host, port=port, log_level="info")
+
+
+@agent.command("status")
+@json_option
+@handle_errors
+def status(as_json: bool) -> None:
+    """Is the local agent running, and where?"""
+    from orchard.agent.settings import AgentSettings
+    from orchard.backends.local.launcher import running_agent
+
+    info = running_agent(AgentSettings())
+    if as_json:
+        print_json(info or {})
+    elif info:
+        out.print(f"agent running: pid {info['pid']} at {info['address']} (runtime {info['runtime']})")
+    else:
+        out.print("no agent running")
+
+
+@agent.command("stop")
+@handle_errors
+def stop() -> None:
+    """Stop the local agent; its sandboxes are deleted."""
+    from orchard.agent.settings import AgentSettings
+    from orchard.backends.local.launcher import stop_agent
+
+    console.print("agent stopped" if stop_agent(AgentSettings()) else "no agent was running")

@@ -1,0 +1,47 @@
+"""Shared CLI plumbing: client construction, JSON output, typed errors to exit codes."""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+from typing import Any, Callable, Optional
+
+import click
+from rich.console import Console
+
+from orchard.errors import OrchardError
+
+console = Console(stderr=True)
+out = Console()
+
+url_option = click.option("--url", envvar="ORCHARD_URL", default=None,
+                          help="Orchard Env server or agent URL (http://..., unix:///...); in-process if unset.")
+api_key_option = click.option("--api-key", envvar="ORCHARD_API_KEY", default=None, help="X-API-Key for --url.")
+backend_option = click.option("--backend", envvar="ORCHARD_BACKEND", default="local", show_default=True,
+                              help="Backend for in-process mode.")
+json_option = click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
+
+
+def print_json(data: Any) -> None:
+    click.echo(json.dumps(data, indent=2, default=str))
+
+
+def make_client(url: Optional[str], api_key: Optional[str], backend: str = "local"):
+    from orchard.client import Client
+
+    return Client(url, api_key) if url else Client(backend=backend)
+
+
+def handle_errors(func: Callable) -> Callable:
+    """Typed errors become one clear line on stderr and a non-zero exit code."""
+
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return func(*args, **kwargs)
+        except OrchardError as exc:
+            console.print(f"[red]error[/red] ({type(exc).__name__}): {exc.message}")
+            sys.exit(2)
+
+    return wrapper

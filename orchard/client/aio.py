@@ -1,0 +1,229 @@
+"""The async Python SDK: ``AsyncClient`` and ``AsyncSandbox``.
+
+With a ``url`` it talks to an Orchard Env server (or an agent) over HTTP; without one
+it runs a backend in process (``local`` by default), with no server at all. Either
+way exec and file calls go straight to the sandbox's agent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import secrets
+from typing import Any, AsyncIterator, Optional, Union
+
+from orchard.backends.api import Backend
+from orchard.client.http import ApiClient
+from orchard.errors import CommandFailed, ExecTimeout, InvalidRequest, SandboxLost
+from orchard.models import FileEntry, Job, PatchResult, Sandbox, SandboxSpec
+from orchard.plugins import collect
+
+Command = Union[str, list[str]]
+HTTP_MARGIN = 30.0
+
+
+def load_backend(name: str = "local", settings: Optional[dict[str, Any]] = None) -> Backend:
+    """Instantiate an installed backend by name with its own validated config."""
+    backends = collect("orchard_register_backends")
+    if name not in backends:
+        raise InvalidRequest(f"unknown backend {name!r}; installed: {', '.join(sorted(backends))}")
+    return backends[name].from_settings(settings)
+
+
+def _raise_for(job: Job) -> Job:
+    if job.error_type == "sandbox_lost":
+        raise SandboxLost(job.error or "sandbox lost")
+    if job.error_type == "timeout":
+        raise ExecTimeout(f"{job.error}: {job.command!r}")
+    if job.exit_code != 0 or job.error_type is not None:
+        raise CommandFailed(f"exit code {job.exit_code} from {job.command!r}: {job.stderr[-2000:] or job.error}")
+    return job
+
+
+class AsyncSandbox:
+    """A handle on one sandbox. ``async with`` deletes it on the way out, whatever happens."""
+
+    def __init__(self, client: "AsyncClient", info: Sandbox, api: ApiClient) -> None:
+        self.client = client
+        self.info = info
+        self.api = api
+        self._heartbeat_task: Optional[asyncio.Task] = None
+
+    @property
+    def id(self) -> str:
+        return self.info.sandbox_id
+
+    def __repr__(self) -> str:
+        return f"<AsyncSandbox {self.id} {self.info.status} image={self.info.image!r}>"
+
+    async def __aenter__(self) -> "AsyncSandbox":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.delete()
+
+    def _exec_body(self, command: Command, *, timeout: Optional[float], idle_timeout: Optional[float],
+                   cwd: Optional[str], env: Optional[dict[str, str]], login_shell: bool, stdin: Optional[str],
+                   job_id: Optional[str], wait: bool) -> dict:
+        return {"command": command, "timeout_seconds": timeout, "idle_timeout_seconds": idle_timeout, "cwd": cwd,
+                "env": env or {}, "login_shell": login_shell, "stdin": stdin, "wait": wait,
+                "job_id": job_id or f"job-{secrets.token_hex(8)}"}  # a client-chosen id makes retries safe
+
+    async def exec(self, command: Command, *, timeout: Optional[float] = None, idle_timeout: Optional[float] = None,
+                   cwd: Optional[str] = None, env: Optional[dict[str, str]] = None, login_shell: bool = False,
+                   stdin: Optional[str] = None, job_id: Optional[str] = None, check: bool = False) -> Job:
+        """Run a command and return its job record (``check=True`` raises on failure)."""
+        body = self._exec_body(command, timeout=timeout, idle_timeout=idle_timeout, cwd=cwd, env=env,
+                               login_shell=login_shell, stdin=stdin, job_id=job_id, wait=True)
+        http_timeout = (timeout or 300.0) + HTTP_MARGIN
+        job = Job(**await self.api.request("POST", f"/sandboxes/{self.id}/exec", json_body=body, timeout=http_timeout))
+        return _raise_for(job) if check else job
+
+    async def submit(self, command: Command, *, timeout: Optional[float] = None,
+                     idle_timeout: Optional[float] = None, cwd: Optional[str] = None,
+                     env: Optional[dict[str, str]] = None, login_shell: bool = False, stdin: Optional[str] = None,
+                     job_id: Optional[str] = None) -> str:
+        """Start a command without waiting; returns its job id (poll with :meth:`wait_job`)."""
+        body = self._exec_body(command, timeout=timeout, idle_timeout=idle_timeout, cwd=cwd, env=env,
+                               login_shell=login_shell, stdin=stdin, job_id=job_id, wait=False)
+        return (await self.api.request("POST", f"/sandboxes/{self.id}/exec", json_body=body))["job_id"]
+
+    async def job(self, job_id: str) -> Job:
+        return Job(**await self.api.request("GET", f"/jobs/{job_id}"))
+
+    async def wait_job(self, job_id: str, timeout: float = 30.0) -> Job:
+        return Job(**await self.api.request("GET", f"/jobs/{job_id}/wait", params={"timeout": timeout},
+                                            timeout=timeout + HTTP_MARGIN))
+
+    async def exec_stream(self, command: Command, *, timeout: Optional[float] = None,
+                          idle_timeout: Optional[float] = None, cwd: Optional[str] = None,
+                          env: Optional[dict[str, str]] = None, login_shell: bool = False,
+                          stdin: Optional[str] = None) -> AsyncIterator[dict]:
+        """Yield ``{"type": "stdout"|"stderr", "data": ...}`` as output comes, then ``{"type": "exit", "job": ...}``."""
+        body = self._exec_body(command, timeout=timeout, idle_timeout=idle_timeout, cwd=cwd, env=env,
+                               login_shell=login_shell, stdin=stdin, job_id=None, wait=False)
+        async for event in self.api.stream(f"/sandboxes/{self.id}/exec/stream", body,
+                                           timeout=(timeout or 300.0) + HTTP_MARGIN):
+            yield event
+
+    async def upload(self, path: str, data: Union[bytes, str], mode: Optional[int] = None) -> int:
+        raw = data.encode() if isinstance(data, str) else data
+        body = {"path": path, "content": base64.b64encode(raw).decode(), "mode": mode}
+        return (await self.api.request("POST", f"/sandboxes/{self.id}/files", json_body=body))["size"]
+
+    async def download(self, path: str) -> bytes:
+        body = await self.api.request("GET", f"/sandboxes/{self.id}/files", params={"path": path})
+        return base64.b64decode(body["content"])
+
+    async def list_files(self, path: str = ".") -> list[FileEntry]:
+        body = await self.api.request("GET", f"/sandboxes/{self.id}/files/list", params={"path": path})
+        return [FileEntry(**entry) for entry in body["files"]]
+
+    async def apply_patch(self, patch: str, timeout: Optional[float] = None) -> PatchResult:
+        body = {"patch": patch, "timeout_seconds": timeout}
+        return PatchResult(**await self.api.request("POST", f"/sandboxes/{self.id}/apply_patch", json_body=body))
+
+    async def heartbeat(self) -> Sandbox:
+        self.info = Sandbox(**await self.client.control_request("POST", f"/sandboxes/{self.id}/heartbeat"))
+        return self.info
+
+    def start_heartbeats(self, interval: float = 30.0) -> None:
+        """Keep the sandbox alive from the background until it is deleted."""
+        async def beat() -> None:
+            while True:
+                await asyncio.sleep(interval)
+                try:
+                    await self.heartbeat()
+                except SandboxLost:
+                    return
+                except Exception:
+                    continue
+        if self._heartbeat_task is None:
+            self._heartbeat_task = asyncio.get_running_loop().create_task(beat())
+
+    async def refresh(self) -> Sandbox:
+        self.info = await self.client.status(self.id)
+        return self.info
+
+    async def delete(self) -> None:
+        if self._heartbeat_task is not None:
+            self._heartbeat_task.cancel()
+            self._heartbeat_task = None
+        await self.client.delete(self.id)
+
+
+class AsyncClient:
+    def __init__(self, url: Optional[str] = None, api_key: Optional[str] = None, *,
+                 backend: Union[str, Backend, None] = None, backend_settings: Optional[dict[str, Any]] = None,
+                 timeout: float = 60.0, retries: int = 5) -> None:
+        self.url = url
+        self._timeout, self._retries = timeout, retries
+        self._remote = ApiClient(url, api_key, timeout=timeout, retries=retries) if url else None
+        if self._remote is None:
+            self.backend = backend if isinstance(backend, Backend) else load_backend(backend or "local", backend_settings)
+        self._agents: dict[str, ApiClient] = {}
+
+    async def __aenter__(self) -> "AsyncClient":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        for api in [self._remote, *self._agents.values()]:
+            if api is not None:
+                await api.close()
+        if self._remote is None:
+            await self.backend.close()
+
+    async def _agent_for(self, sandbox_id: str) -> ApiClient:
+        if self._remote is not None:
+            return self._remote
+        endpoint = await self.backend.endpoint(sandbox_id)
+        api = self._agents.get(endpoint.url)
+        if api is None:
+            api = self._agents[endpoint.url] = ApiClient(endpoint.url, endpoint.token, timeout=self._timeout,
+                                                         retries=self._retries, max_connections=1024)
+        return api
+
+    async def control_request(self, method: str, path: str, **kwargs: Any) -> Any:
+        """A life-cycle call: to the server, or (in process) to the sandbox's agent."""
+        if self._remote is not None:
+            return await self._remote.request(method, path, **kwargs)
+        sandbox_id = path.split("/")[2]
+        return await (await self._agent_for(sandbox_id)).request(method, path, **kwargs)
+
+    async def create(self, image: str = "host", **spec: Any) -> AsyncSandbox:
+        """Create a sandbox and wait until it is ready (``async with`` it to clean up)."""
+        model = SandboxSpec(image=image, **spec)
+        if self._remote is not None:
+            info = Sandbox(**await self._remote.request("POST", "/sandboxes", json_body=model.model_dump(),
+                                                        timeout=(model.timeout or 300) + HTTP_MARGIN))
+        else:
+            info = await self.backend.create(model)
+        return AsyncSandbox(self, info, await self._agent_for(info.sandbox_id))
+
+    async def get(self, sandbox_id: str) -> AsyncSandbox:
+        info = await self.status(sandbox_id)
+        return AsyncSandbox(self, info, await self._agent_for(sandbox_id))
+
+    async def status(self, sandbox_id: str) -> Sandbox:
+        if self._remote is not None:
+            return Sandbox(**await self._remote.request("GET", f"/sandboxes/{sandbox_id}"))
+        return await self.backend.status(sandbox_id)
+
+    async def list(self) -> list[Sandbox]:
+        if self._remote is not None:
+            return [Sandbox(**item) for item in (await self._remote.request("GET", "/sandboxes"))["sandboxes"]]
+        return await self.backend.list()
+
+    async def delete(self, sandbox_id: str) -> None:
+        if self._remote is not None:
+            await self._remote.request("DELETE", f"/sandboxes/{sandbox_id}")
+        else:
+            await self.backend.delete(sandbox_id)
+
+    async def resources(self) -> dict:
+        if self._remote is not None:
+            return await self._remote.request("GET", "/resources")
+        return await self.backend.resources()

@@ -1,0 +1,163 @@
+"""The sync Python SDK: the async client driven from a private event-loop thread.
+
+One implementation serves both styles, so they cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from typing import Any, Awaitable, Callable, Iterator, Optional, TypeVar
+
+from orchard.client.aio import AsyncClient, AsyncSandbox, Command
+from orchard.models import FileEntry, Job, PatchResult, Sandbox
+
+T = TypeVar("T")
+_DONE = object()
+
+
+class _Portal:
+    """Runs coroutines on a loop in a daemon thread and hands back their results."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="orchard-client", daemon=True)
+        self.thread.start()
+
+    def call(self, coro: Awaitable[T]) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()  # type: ignore[arg-type]
+
+    def iterate(self, make_iterator: Callable[[], Any]) -> Iterator[Any]:
+        items: "queue.Queue[Any]" = queue.Queue(maxsize=256)
+
+        async def pump() -> None:
+            try:
+                async for item in make_iterator():
+                    await asyncio.to_thread(items.put, item)
+            except BaseException as exc:  # re-raised in the caller's thread
+                await asyncio.to_thread(items.put, exc)
+            await asyncio.to_thread(items.put, _DONE)
+
+        asyncio.run_coroutine_threadsafe(pump(), self.loop)
+        while True:
+            item = items.get()
+            if item is _DONE:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=5)
+        self.loop.close()
+
+
+class SyncSandbox:
+    """A sync handle on one sandbox; ``with`` deletes it on the way out."""
+
+    def __init__(self, portal: _Portal, inner: AsyncSandbox) -> None:
+        self._portal = portal
+        self._inner = inner
+
+    @property
+    def id(self) -> str:
+        return self._inner.id
+
+    @property
+    def info(self) -> Sandbox:
+        return self._inner.info
+
+    def __repr__(self) -> str:
+        return repr(self._inner).replace("AsyncSandbox", "Sandbox")
+
+    def __enter__(self) -> "SyncSandbox":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.delete()
+
+    def exec(self, command: Command, **options: Any) -> Job:
+        """Run a command; options as :meth:`AsyncSandbox.exec` (timeout, cwd, env, check, ...)."""
+        return self._portal.call(self._inner.exec(command, **options))
+
+    def submit(self, command: Command, **options: Any) -> str:
+        return self._portal.call(self._inner.submit(command, **options))
+
+    def job(self, job_id: str) -> Job:
+        return self._portal.call(self._inner.job(job_id))
+
+    def wait_job(self, job_id: str, timeout: float = 30.0) -> Job:
+        return self._portal.call(self._inner.wait_job(job_id, timeout))
+
+    def exec_stream(self, command: Command, **options: Any) -> Iterator[dict]:
+        return self._portal.iterate(lambda: self._inner.exec_stream(command, **options))
+
+    def upload(self, path: str, data: bytes | str, mode: Optional[int] = None) -> int:
+        return self._portal.call(self._inner.upload(path, data, mode))
+
+    def download(self, path: str) -> bytes:
+        return self._portal.call(self._inner.download(path))
+
+    def list_files(self, path: str = ".") -> list[FileEntry]:
+        return self._portal.call(self._inner.list_files(path))
+
+    def apply_patch(self, patch: str, timeout: Optional[float] = None) -> PatchResult:
+        return self._portal.call(self._inner.apply_patch(patch, timeout))
+
+    def heartbeat(self) -> Sandbox:
+        return self._portal.call(self._inner.heartbeat())
+
+    def start_heartbeats(self, interval: float = 30.0) -> None:
+        self._portal.loop.call_soon_threadsafe(self._inner.start_heartbeats, interval)
+
+    def refresh(self) -> Sandbox:
+        return self._portal.call(self._inner.refresh())
+
+    def delete(self) -> None:
+        self._portal.call(self._inner.delete())
+
+
+class Client:
+    """Sync client: ``Client()`` runs the local backend in process; ``Client(url, api_key)``
+    talks to a server. ``with Client() as c, c.create() as sandbox: sandbox.exec("ls")``."""
+
+    def __init__(self, url: Optional[str] = None, api_key: Optional[str] = None, **options: Any) -> None:
+        self._portal = _Portal()
+
+        async def build() -> AsyncClient:
+            return AsyncClient(url, api_key, **options)
+
+        try:
+            self._inner = self._portal.call(build())
+        except BaseException:
+            self._portal.close()
+            raise
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        try:
+            self._portal.call(self._inner.close())
+        finally:
+            self._portal.close()
+
+    def create(self, image: str = "host", **spec: Any) -> SyncSandbox:
+        return SyncSandbox(self._portal, self._portal.call(self._inner.create(image, **spec)))
+
+    def get(self, sandbox_id: str) -> SyncSandbox:
+        return SyncSandbox(self._portal, self._portal.call(self._inner.get(sandbox_id)))
+
+    def list(self) -> list[Sandbox]:
+        return self._portal.call(self._inner.list())
+
+    def delete(self, sandbox_id: str) -> None:
+        self._portal.call(self._inner.delete(sandbox_id))
+
+    def resources(self) -> dict:
+        return self._portal.call(self._inner.resources())
