@@ -1,0 +1,62 @@
+"""Pytest plugin (entry point ``pytest11: orchard``): options and fixtures of the kit.
+
+``--orchard-backend NAME`` (repeatable) chooses the backends the conformance tests
+run against (default: local); ``--orchard-backend-config FILE`` is a YAML or JSON
+mapping ``{backend name: settings}`` validated by each backend's own config model.
+A project's conftest may instead override the ``orchard_backend_settings`` fixture.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("orchard", "Orchard backend conformance")
+    group.addoption("--orchard-backend", action="append", default=[], metavar="NAME",
+                    help="backend to run the conformance tests against (repeatable; default: local)")
+    group.addoption("--orchard-backend-config", default=None, metavar="FILE",
+                    help="YAML/JSON file: {backend name: settings}")
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "orchard_backend_name" in metafunc.fixturenames:
+        names = metafunc.config.getoption("--orchard-backend") or ["local"]
+        metafunc.parametrize("orchard_backend_name", names, scope="session")
+
+
+@pytest.fixture(scope="session")
+def orchard_backend_settings(pytestconfig: pytest.Config) -> dict[str, Any]:
+    """Settings per backend name; override this fixture to compute them in code."""
+    path = pytestconfig.getoption("--orchard-backend-config")
+    if not path:
+        return {}
+    text = Path(path).read_text()
+    if path.endswith((".yaml", ".yml")):
+        import yaml
+
+        return yaml.safe_load(text) or {}
+    return json.loads(text)
+
+
+@pytest.fixture(scope="session")
+def orchard_client(orchard_backend_name: str, orchard_backend_settings: dict[str, Any]) -> Iterator[Any]:
+    """A sync client on the backend under test, in process."""
+    from orchard.client import Client
+
+    client = Client(backend=orchard_backend_name, backend_settings=orchard_backend_settings.get(orchard_backend_name))
+    try:
+        yield client
+    finally:
+        client.close()
+
+
+@pytest.fixture
+def sandbox(orchard_client: Any) -> Iterator[Any]:
+    """A fresh sandbox (image ``host``, network blocked), deleted after the test."""
+    with orchard_client.create("host") as handle:
+        yield handle
