@@ -9,6 +9,7 @@ a sandbox owns its image's files the way a rootless container does.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import os
 import shutil
@@ -74,7 +75,30 @@ class ImageStore:
             raise ImageRejected(f"image {image!r}: use 'host', an absolute root-filesystem directory, or docker://REF")
         if not path.is_dir():
             raise ImageRejected(f"image {image!r}: directory does not exist")
-        return ResolvedImage(reference=image, kind="rootfs", rootfs=path)
+        return await self._import_directory(image, path)
+
+    async def _import_directory(self, image: str, path: Path) -> ResolvedImage:
+        """Copy a root-filesystem directory into the cache once, owned by the sandbox uid,
+        as a rootless unpack would (the directory itself is never touched)."""
+        info = path.stat()
+        key = hashlib.sha256(f"{path.resolve()}:{info.st_ino}:{info.st_mtime_ns}".encode()).hexdigest()[:24]
+        target = self.cache_dir / f"dir-{key}"
+        lock = self._locks.setdefault(key, asyncio.Lock())
+        async with lock:
+            if not (target / "rootfs").is_dir():
+                staging = self.cache_dir / f".import-{key}-{os.getpid()}"
+                shutil.rmtree(staging, ignore_errors=True)
+                staging.mkdir()
+                env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin")}
+                code, _, err = await run_tool(self.reaper, ["cp", "-a", f"{path}/.", str(staging / "rootfs")], env)
+                if code == 0 and self.owner is not None:
+                    code, _, err = await run_tool(
+                        self.reaper, ["chown", "-R", "-h", f"{self.owner[0]}:{self.owner[1]}", str(staging)], env)
+                if code != 0:
+                    shutil.rmtree(staging, ignore_errors=True)
+                    raise ImageRejected(f"image {image!r} cannot be imported: {_last_line(err)}")
+                os.replace(staging, target)
+        return ResolvedImage(reference=image, kind="rootfs", rootfs=target / "rootfs")
 
     def _tls_flag(self, reference: str, option: str) -> list[str]:
         host = reference.removeprefix("docker://").split("/", 1)[0].split(":", 1)[0]

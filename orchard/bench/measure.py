@@ -34,7 +34,7 @@ def count_processes(needle: str) -> int:
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
-                if needle.encode() in (entry / "cmdline").read_bytes():
+                if needle.encode() in (entry / "cmdline").read_bytes().replace(b"\0", b" "):
                     count += 1
             except OSError:
                 pass

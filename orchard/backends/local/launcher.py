@@ -36,13 +36,17 @@ def _healthy(address: str, timeout: float = 2.0) -> bool:
 
 
 def _pid_alive(pid: int) -> bool:
+    """True while ``pid`` runs; an exited agent that we started is reaped, not counted."""
     try:
-        os.kill(pid, 0)
-        return True
-    except ProcessLookupError:
+        if os.waitpid(pid, os.WNOHANG)[0] == pid:
+            return False
+    except ChildProcessError:
+        pass
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
         return False
-    except PermissionError:
-        return True
+    return state not in ("Z", "X")
 
 
 def running_agent(settings: AgentSettings) -> Optional[dict]:

@@ -1,0 +1,128 @@
+"""Isolation of local sandboxes, checked from the host side as well as from inside."""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+from pathlib import Path
+
+import pytest
+
+from orchard.bench.measure import count_processes
+
+
+def holder_pid(sandbox) -> int:
+    """Find a sandbox's holder from the host, by a marker file only its root has."""
+    marker = f"marker-{sandbox.id}"
+    sandbox.exec(f"touch /tmp/{marker}")
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if (entry / "cmdline").read_bytes().split(b"\0")[0] != b"/dev/.orchard-hold":
+                    continue
+                if (entry / "root/tmp" / marker).exists():
+                    return int(entry.name)
+            except OSError:
+                continue
+    raise LookupError(sandbox.id)
+
+
+def test_unprivileged_inside_and_outside(sandbox):
+    inside = sandbox.exec("id -u; grep -E '^(CapEff|CapBnd|NoNewPrivs)' /proc/self/status").stdout.split("\n")
+    assert inside[0] == "1000"
+    assert "CapEff:\t0000000000000000" in inside and "CapBnd:\t0000000000000000" in inside
+    assert "NoNewPrivs:\t1" in inside
+    status = Path(f"/proc/{holder_pid(sandbox)}/status").read_text()
+    host_uids = next(line for line in status.splitlines() if line.startswith("Uid:")).split()[1:]
+    assert all(int(uid) == 100000 for uid in host_uids), "sandbox processes must not be root on the host"
+
+
+def test_host_image_exposes_only_the_allow_list(sandbox):
+    for secret in ("/root", "/var/lib/orchard", "/run/munge", "/etc/shadow", "/home/user/../../root", "/tmp/orchard-test"):
+        assert sandbox.exec(f"test -e {secret} && echo visible || echo hidden").stdout == "hidden\n", secret
+    assert sandbox.exec("ls /proc | grep -c '^[0-9]'").stdout.strip() in {"1", "2", "3", "4", "5"}
+    write = sandbox.exec("touch /usr/evil 2>&1; echo rc=$?")
+    assert "Read-only file system" in write.stdout
+    assert sandbox.exec("touch /workspace/ok /tmp/ok && echo ok").stdout == "ok\n"
+
+
+def test_state_directories_are_private(agent_settings, sandbox):
+    assert oct(os.stat(agent_settings.agent_dir).st_mode & 0o777) == "0o700"
+    assert oct(os.stat(agent_settings.agent_dir / "token").st_mode & 0o777) == "0o600"
+    assert oct(os.stat(agent_settings.jobs_dir).st_mode & 0o777) == "0o700"
+
+
+@pytest.fixture
+def host_listener():
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(8)
+    accepted = []
+
+    def accept() -> None:
+        while True:
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                return
+            accepted.append(conn)
+            conn.sendall(b"hello-from-host\n")
+            conn.close()
+
+    threading.Thread(target=accept, daemon=True).start()
+    yield server.getsockname()[1]
+    server.close()
+
+
+def test_network_is_blocked_unless_asked(orchard_client, host_listener):
+    probe = ("python3 -c \"import socket; s=socket.create_connection(('127.0.0.1', %d), 2); "
+             "print(s.recv(100).decode(), end='')\"" % host_listener)
+    with orchard_client.create() as blocked:
+        job = blocked.exec(probe)
+        assert job.exit_code != 0 and "hello-from-host" not in job.stdout
+        assert blocked.exec("ip -o link 2>/dev/null | wc -l || ls /sys/class/net | wc -l").stdout.strip() == "1"
+    with orchard_client.create(block_network=False) as open_:
+        assert open_.exec(probe).stdout == "hello-from-host\n"
+
+
+FORK_BOMB = """python3 -c '
+import os, time  # orchard-fork-bomb
+for n in range(200):
+    try:
+        if os.fork() == 0:
+            time.sleep(60)
+            os._exit(0)
+    except OSError as exc:
+        print("fork failed after", n, exc)
+        break
+'"""
+
+
+def test_pids_limit_holds_and_spares_the_others(orchard_client):
+    with orchard_client.create(pids=40) as bomb, orchard_client.create() as neighbour:
+        job = bomb.exec(FORK_BOMB, timeout=20)
+        assert "fork failed" in job.stdout, job.stdout + job.stderr
+        assert neighbour.exec("echo fine").stdout == "fine\n"
+        assert 0 < count_processes("orchard-fork-bomb") <= 40
+    assert count_processes("orchard-fork-bomb") == 0  # deleting the sandbox killed everything in it
+
+
+def test_memory_limit_holds(orchard_client):
+    with orchard_client.create(memory="64Mi") as small:
+        job = small.exec("python3 -c \"x = bytearray(300 * 2**20); print('allocated')\"", timeout=60)
+        assert job.exit_code != 0 and "allocated" not in job.stdout
+        assert small.exec("echo survived").stdout == "survived\n"
+
+
+def test_disk_quota_gives_a_clear_error(orchard_client):
+    with orchard_client.create(disk="8Mi") as tiny:
+        job = tiny.exec("head -c 20000000 /dev/zero > /workspace/big")
+        assert job.exit_code != 0 and "No space left on device" in job.stderr
+        assert tiny.exec("rm /workspace/big && echo freed").stdout == "freed\n"
+
+
+def test_zombies_are_reaped(sandbox):
+    sandbox.exec("for i in 1 2 3; do (sleep 0.1 &) ; done; sleep 0.5")
+    zombies = sandbox.exec("grep -l '^State:.*Z' /proc/[0-9]*/status 2>/dev/null | wc -l").stdout.strip()
+    assert zombies == "0"
