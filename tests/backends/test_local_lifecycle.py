@@ -1,0 +1,119 @@
+"""Life cycle of local sandboxes: nothing left behind, lost sandboxes, crashing clients."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from orchard.bench.measure import count_processes
+from orchard.errors import BackendUnavailable, SandboxLost
+from tests.backends.test_local_isolation import holder_pid
+
+
+def mounts_under(path: Path) -> list[str]:
+    return [line for line in Path("/proc/self/mounts").read_text().splitlines() if str(path) in line]
+
+
+def test_delete_leaves_no_process_mount_directory_or_cgroup(orchard_client, agent_settings, tmp_path):
+    from tests.images import busybox_rootfs
+
+    rootfs = busybox_rootfs(Path(f"/tmp/orchard-lifecycle-{os.getpid()}"))
+    try:
+        with orchard_client.create() as host_sb, orchard_client.create(str(rootfs), disk="16Mi") as root_sb:
+            for sb in (host_sb, root_sb):
+                sb.exec("sleep 1000 & sleep 1001 & echo started")
+            assert count_processes("sleep 100") >= 4
+            assert len(mounts_under(agent_settings.sandboxes_dir)) >= 2
+            ids = [host_sb.id, root_sb.id]
+        assert count_processes("sleep 1000") == 0 and count_processes("sleep 1001") == 0
+        assert mounts_under(agent_settings.sandboxes_dir) == []
+        for sandbox_id in ids:
+            assert not (agent_settings.sandboxes_dir / sandbox_id).exists()
+            for controller in ("memory", "pids"):
+                assert not list(Path(f"/sys/fs/cgroup/{controller}/orchard").glob(f"*/{sandbox_id}"))
+    finally:
+        subprocess.run(["rm", "-rf", str(rootfs)])
+
+
+def test_killed_holder_means_lost_sandbox(orchard_client):
+    victim = orchard_client.create()
+    neighbour = orchard_client.create()
+    try:
+        holder = holder_pid(victim)  # before the sleep: commands of one sandbox are serialized
+        job_id = victim.submit("sleep 60")
+        time.sleep(0.3)
+        os.kill(holder, signal.SIGKILL)
+        job = victim.wait_job(job_id, timeout=20)
+        assert job.error_type == "sandbox_lost" and job.status == "failed"
+        with pytest.raises(SandboxLost, match="holder"):
+            victim.exec("true")
+        assert orchard_client.get(victim.id).info.status == "lost"
+        assert neighbour.exec("echo unaffected").stdout == "unaffected\n"
+    finally:
+        victim.delete()
+        neighbour.delete()
+
+
+def test_sandboxes_outlive_a_crashing_client(orchard_backend_settings):
+    """The agent is its own process: a client that dies leaves sandboxes and commands alive."""
+    script = textwrap.dedent(f"""
+        import os, sys
+        from orchard.client import Client
+        client = Client(backend_settings={orchard_backend_settings['local']!r})
+        sandbox = client.create(sandbox_id="survivor")
+        sandbox.submit("sleep 2; echo finished > done.txt")
+        print("created", flush=True)
+        os._exit(0)  # no cleanup at all
+    """)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert result.stdout.strip() == "created", result.stderr
+    from orchard.client import Client
+
+    with Client(backend_settings=orchard_backend_settings["local"]) as client:
+        survivor = client.get("survivor")
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and "finished" not in survivor.exec("cat done.txt 2>/dev/null").stdout:
+            time.sleep(0.2)
+        assert survivor.exec("cat done.txt").stdout == "finished\n"
+        survivor.delete()
+
+
+def test_missing_bubblewrap_is_a_clear_refusal(tmp_path):
+    from orchard.agent.settings import AgentSettings
+    from orchard.backends.local.launcher import ensure_agent
+
+    state = Path(f"/tmp/orchard-nobwrap-{os.getpid()}")
+    fake_bin = tmp_path / "bin"
+    fake_bin.mkdir()
+    old_path = os.environ["PATH"]
+    os.environ["PATH"] = f"{fake_bin}:{Path(sys.executable).parent}"
+    try:
+        with pytest.raises(BackendUnavailable, match="bubblewrap is not installed"):
+            ensure_agent(AgentSettings(state_dir=state))
+    finally:
+        os.environ["PATH"] = old_path
+        subprocess.run(["rm", "-rf", str(state)])
+
+
+def test_direct_runtime_only_by_name():
+    from orchard.agent.settings import AgentSettings
+    from orchard.backends.local.launcher import stop_agent
+    from orchard.client import Client
+
+    state = Path(f"/tmp/orchard-direct-{os.getpid()}")
+    settings = AgentSettings(state_dir=state, runtime="direct")
+    try:
+        with Client(backend_settings={"agent": settings.model_dump(mode="json")}) as client:
+            with client.create() as sandbox:
+                assert sandbox.info.runtime == "direct"
+                assert sandbox.exec("echo direct").stdout == "direct\n"
+    finally:
+        stop_agent(settings)
+        subprocess.run(["rm", "-rf", str(state)])
