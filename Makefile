@@ -1,0 +1,37 @@
+# The README's two commands: `make quickstart` and `make test`. Both install what they need.
+PYTHON ?= python3
+VENV ?= .venv
+PIP := $(VENV)/bin/pip
+# Debian packages: bubblewrap (isolation), skopeo + umoci (docker:// images), docker-registry and
+# busybox-static (a real registry and images for tests), gcc + libc6-dev (the static orchard-enter helper).
+SYSTEM_PACKAGES := bubblewrap skopeo umoci docker-registry busybox-static gcc libc6-dev iproute2 git procps util-linux
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+
+.PHONY: quickstart test system-deps venv bench lint clean
+
+quickstart: system-deps venv  ## set up and run the main job on the local backend
+	$(VENV)/bin/orchard quickstart
+
+test: system-deps venv  ## set up and run the whole test suite
+	$(VENV)/bin/pytest -q
+
+system-deps:
+	@missing=""; for p in $(SYSTEM_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	if [ -n "$$missing" ]; then \
+	  echo "installing Debian packages:$$missing"; \
+	  $(SUDO) apt-get update -qq && $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; \
+	fi
+
+venv: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q -e '.[test]'
+	touch $@
+
+bench: system-deps venv  ## the figures of docs/benchmarks.md
+	$(VENV)/bin/orchard bench sandboxes -n 1000 -m 1 -c 128 --output bench-sandboxes-1000.json
+
+clean:
+	rm -rf $(VENV) build *.egg-info

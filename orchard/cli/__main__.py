@@ -1,0 +1,3 @@
+from orchard.cli.main import main
+
+main()
