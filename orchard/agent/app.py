@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import secrets
 from contextlib import asynccontextmanager
-from typing import Any, AsyncIterator, Optional
+from typing import Any, AsyncIterator, Callable, Optional
 
 from fastapi import FastAPI, Header, Query, Request
 from fastapi.exceptions import RequestValidationError
@@ -42,6 +42,24 @@ def validation_body(exc: RequestValidationError) -> dict[str, Any]:
     return {"detail": errors, "error": {"type": "InvalidRequest", "message": summary or "invalid request"}}
 
 
+class ApiKeyMiddleware:
+    """Checks ``X-API-Key`` on every route but ``/`` and ``/health``. Plain ASGI: the
+    ``@app.middleware`` style costs a task group per request on the hot path."""
+
+    def __init__(self, app: Callable, token: str) -> None:
+        self.app = app
+        self.token = token.encode()
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
+            given = next((value for key, value in scope["headers"] if key == b"x-api-key"), b"")
+            if not secrets.compare_digest(given, self.token):
+                error = AuthenticationFailed("missing or wrong X-API-Key")
+                await JSONResponse(error.to_body(), status_code=error.status_code)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 def create_app(service: AgentService, token: Optional[str]) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -51,14 +69,8 @@ def create_app(service: AgentService, token: Optional[str]) -> FastAPI:
 
     app = FastAPI(title="Orchard exec agent", version=__version__, lifespan=lifespan)
 
-    @app.middleware("http")
-    async def check_api_key(request: Request, call_next):
-        if token is not None and request.url.path not in OPEN_PATHS:
-            given = request.headers.get("x-api-key", "")
-            if not secrets.compare_digest(given.encode(), token.encode()):
-                error = AuthenticationFailed("missing or wrong X-API-Key")
-                return JSONResponse(error.to_body(), status_code=error.status_code)
-        return await call_next(request)
+    if token is not None:
+        app.add_middleware(ApiKeyMiddleware, token=token)
 
     @app.exception_handler(OrchardError)
     async def orchard_error(request: Request, exc: OrchardError) -> JSONResponse:

@@ -36,7 +36,6 @@ _TTY_WARNINGS = (
 class JobRecord:
     job: Job
     request: ExecRequest
-    spool_dir: Path
     stdout: Optional[SpoolFile] = None
     stderr: Optional[SpoolFile] = None
     pid: Optional[int] = None
@@ -99,13 +98,15 @@ class JobRunner:
         request, job = record.request, record.job
         argv = runtime.command(sandbox, shell_argv(placement.shell, request.command_text(), request.login_shell), cwd)
         env = {**placement.env, **request.env}
-        record.stdout = SpoolFile(record.spool_dir / f"{job.job_id}.out", self.max_output_bytes)
-        record.stderr = SpoolFile(record.spool_dir / f"{job.job_id}.err", self.max_output_bytes)
-        stdin_action = (os.POSIX_SPAWN_OPEN, 0, "/dev/null", os.O_RDONLY, 0)
-        stdin_path = record.spool_dir / f"{job.job_id}.in"
+        record.stdout = SpoolFile("stdout", self.max_output_bytes)
+        record.stderr = SpoolFile("stderr", self.max_output_bytes)
+        stdin_fd = -1
+        stdin_action: tuple = (os.POSIX_SPAWN_OPEN, 0, "/dev/null", os.O_RDONLY, 0)
         if request.stdin is not None:
-            stdin_path.write_bytes(request.stdin.encode())
-            stdin_action = (os.POSIX_SPAWN_OPEN, 0, str(stdin_path), os.O_RDONLY, 0)
+            stdin_fd = os.memfd_create("stdin", os.MFD_CLOEXEC)
+            os.write(stdin_fd, request.stdin.encode())
+            os.lseek(stdin_fd, 0, os.SEEK_SET)
+            stdin_action = (os.POSIX_SPAWN_DUP2, stdin_fd, 0)
         try:
             record.pid = os.posix_spawn(str(self.helper), argv, env, file_actions=[
                 stdin_action,
@@ -115,7 +116,8 @@ class JobRunner:
             job.status, job.started_at = "running", time.time()
             exit_code, killed_for = await self._supervise(record)
         finally:
-            stdin_path.unlink(missing_ok=True)
+            if stdin_fd >= 0:
+                os.close(stdin_fd)
         self._record_result(sandbox, record, exit_code, killed_for)
 
     async def _supervise(self, record: JobRecord) -> tuple[int, Optional[str]]:

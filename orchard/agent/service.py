@@ -21,6 +21,7 @@ from orchard.agent.images import ImageStore
 from orchard.agent.jobs import JobRecord, JobRunner
 from orchard.agent.reaper import ChildReaper
 from orchard.agent.runtimes.api import IsolationRuntime, RuntimeContext
+from orchard.agent.runtimes.bwrap import build_host_etc
 from orchard.agent.runtimes.helper import helper_path
 from orchard.agent.runtimes.mounts import unmount
 from orchard.agent.sandbox import SandboxState
@@ -51,6 +52,7 @@ def _write_share_files(settings: AgentSettings) -> None:
         path = settings.share_dir / name
         path.write_text(text)
         os.chmod(path, 0o644)
+    build_host_etc(settings.share_dir / "etc", files)
 
 
 class AgentService:
@@ -105,8 +107,6 @@ class AgentService:
             leftover = SandboxCgroup({"x": group})
             leftover.kill_all()
             leftover.remove()
-        for spool in self.settings.jobs_dir.iterdir():
-            spool.unlink(missing_ok=True)
 
     async def stop(self) -> None:
         await asyncio.gather(*(self.delete(sid) for sid in list(self.sandboxes)), return_exceptions=True)
@@ -254,7 +254,7 @@ class AgentService:
         job_id = key or f"job-{secrets.token_hex(8)}"
         job = Job(job_id=job_id, sandbox_id=sandbox_id, command=request.command_text(), status="queued",
                   created_at=time.time())
-        record = JobRecord(job=job, request=request, spool_dir=self.settings.jobs_dir)
+        record = JobRecord(job=job, request=request)
         self.jobs[job_id] = record
         assert self.runtime is not None
         self._spawn(self.jobs_runner.run(sandbox, self.runtime, record, cwd))

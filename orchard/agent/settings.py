@@ -43,10 +43,6 @@ class AgentSettings(BaseModel):
         return self.state_dir / "agent"
 
     @property
-    def jobs_dir(self) -> Path:
-        return self.state_dir / "jobs"
-
-    @property
     def sandboxes_dir(self) -> Path:
         return self.state_dir / "sandboxes"
 
@@ -59,7 +55,7 @@ class AgentSettings(BaseModel):
         return self.state_dir / "images"
 
     def make_dirs(self) -> None:
-        for path, mode in [(self.state_dir, 0o711), (self.agent_dir, 0o700), (self.jobs_dir, 0o700),
+        for path, mode in [(self.state_dir, 0o711), (self.agent_dir, 0o700),
                            (self.sandboxes_dir, 0o711), (self.share_dir, 0o755), (self.images_dir, 0o711)]:
             path.mkdir(parents=True, exist_ok=True)
             os.chmod(path, mode)

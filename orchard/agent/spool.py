@@ -1,9 +1,11 @@
-"""Command output spooled to files, capped so a runaway command cannot fill memory or disk.
+"""Command output spooled to files, capped so a runaway command cannot exhaust memory.
 
 Commands write straight into a file (a leftover background process can never hold a
-pipe open and hang a call). What is returned keeps the head and the tail; while a
-command runs, the middle of a growing file is released with ``FALLOC_FL_PUNCH_HOLE``,
-so even a flood of gigabytes holds only about ``2 * limit`` bytes on disk.
+pipe open and hang a call): an anonymous memfd, so no directory is touched on the hot
+path and nothing is left behind. What is returned keeps the head and the tail; while
+a command runs, the middle of a growing file is released with ``FALLOC_FL_PUNCH_HOLE``,
+so even a flood of gigabytes holds only about ``2 * limit`` bytes. Pages are charged
+to the memory cgroup of the writer, i.e. the sandbox that produced them.
 """
 
 from __future__ import annotations
@@ -11,7 +13,6 @@ from __future__ import annotations
 import ctypes
 import os
 from dataclasses import dataclass
-from pathlib import Path
 
 _FALLOC_FL_KEEP_SIZE = 0x01
 _FALLOC_FL_PUNCH_HOLE = 0x02
@@ -30,10 +31,9 @@ class Captured:
 class SpoolFile:
     """One output stream of one job (stdout or stderr)."""
 
-    def __init__(self, path: Path, limit: int) -> None:
-        self.path = path
+    def __init__(self, name: str, limit: int) -> None:
         self.limit = limit  # bytes kept: half from the head, half from the tail
-        self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        self.fd = os.memfd_create(name, os.MFD_CLOEXEC)
         self.punched_to = 0
 
     def size(self) -> int:
@@ -69,7 +69,3 @@ class SpoolFile:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
-        try:
-            self.path.unlink()
-        except FileNotFoundError:
-            pass

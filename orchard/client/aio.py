@@ -183,7 +183,7 @@ class AsyncClient:
         api = self._agents.get(endpoint.url)
         if api is None:
             api = self._agents[endpoint.url] = ApiClient(endpoint.url, endpoint.token, timeout=self._timeout,
-                                                         retries=self._retries, max_connections=1024)
+                                                         retries=self._retries)
         return api
 
     async def control_request(self, method: str, path: str, **kwargs: Any) -> Any:

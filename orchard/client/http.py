@@ -8,6 +8,7 @@ chosen on the client, so a retried exec never runs twice.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import random
 from typing import Any, AsyncIterator, Optional
@@ -32,14 +33,27 @@ def make_http_client(url: str, api_key: Optional[str], timeout: float, max_conne
 
 
 class ApiClient:
+    """Connections are spread over small httpx pools used in turn: httpcore scans every
+    queued request against every pooled connection, which at 64+ concurrent calls cost
+    the client more CPU than the agent spent running the commands."""
+
+    POOL_SIZE = 8
+
     def __init__(self, url: str, api_key: Optional[str] = None, *, timeout: float = 60.0, retries: int = 5,
-                 max_connections: int = 256) -> None:
+                 max_connections: int = 128) -> None:
         self.url = url
         self.retries = retries
-        self.http = make_http_client(url, api_key, timeout, max_connections)
+        pools = max(1, -(-max_connections // self.POOL_SIZE))
+        self._pools = [make_http_client(url, api_key, timeout, self.POOL_SIZE) for _ in range(pools)]
+        self._next = itertools.cycle(self._pools)
+
+    @property
+    def http(self) -> httpx.AsyncClient:
+        return next(self._next)
 
     async def close(self) -> None:
-        await self.http.aclose()
+        for pool in self._pools:
+            await pool.aclose()
 
     async def request(self, method: str, path: str, *, json_body: Any = None, params: Optional[dict] = None,
                       headers: Optional[dict] = None, timeout: Optional[float] = None, idempotent: bool = True) -> Any:

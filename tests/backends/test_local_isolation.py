@@ -50,7 +50,7 @@ def test_host_image_exposes_only_the_allow_list(sandbox):
 def test_state_directories_are_private(agent_settings, sandbox):
     assert oct(os.stat(agent_settings.agent_dir).st_mode & 0o777) == "0o700"
     assert oct(os.stat(agent_settings.agent_dir / "token").st_mode & 0o777) == "0o600"
-    assert oct(os.stat(agent_settings.jobs_dir).st_mode & 0o777) == "0o700"
+    assert oct(os.stat(agent_settings.sandboxes_dir).st_mode & 0o777) == "0o711"
 
 
 @pytest.fixture

@@ -45,7 +45,7 @@ class LocalBackend(Backend):
             async with self._lock:
                 if self._api is None:
                     self._endpoint = await asyncio.to_thread(ensure_agent, self.config.agent)
-                    self._api = ApiClient(self._endpoint.url, self._endpoint.token, max_connections=1024)
+                    self._api = ApiClient(self._endpoint.url, self._endpoint.token)
         return self._api
 
     async def create(self, spec: SandboxSpec) -> Sandbox:
