@@ -31,7 +31,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 bench: system-deps venv  ## the figures of docs/benchmarks.md
-	$(VENV)/bin/orchard bench sandboxes -n 1000 -m 1 -c 128 --output bench-sandboxes-1000.json
+	$(VENV)/bin/orchard bench sandboxes -n 1000 -m 1 -c 32 --output bench-sandboxes-1000.json
 
 clean:
 	rm -rf $(VENV) build *.egg-info

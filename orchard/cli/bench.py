@@ -21,7 +21,7 @@ def bench() -> None:
 @bench.command("sandboxes")
 @click.option("-n", "--sandboxes", type=int, default=100, show_default=True)
 @click.option("-m", "--commands", type=int, default=1, show_default=True, help="commands per sandbox")
-@click.option("-c", "--concurrency", type=int, default=64, show_default=True)
+@click.option("-c", "--concurrency", type=int, default=32, show_default=True)
 @click.option("--command", default="true", show_default=True)
 @click.option("--image", default="host", show_default=True)
 @click.option("--latency-samples", type=int, default=200, show_default=True,
