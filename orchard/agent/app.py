@@ -145,6 +145,19 @@ def create_app(service: AgentService, token: Optional[str]) -> FastAPI:
     async def download_file(sandbox_id: str, path: str = Query(..., min_length=1)) -> Response:
         return model_response(service.download(sandbox_id, path))
 
+    @app.put("/sandboxes/{sandbox_id}/files/raw")
+    async def upload_raw(sandbox_id: str, request: Request, path: str = Query(..., min_length=1),
+                         mode: Optional[int] = Query(None, ge=0, le=0o7777)) -> Response:
+        """Our addition: upload the request body as is (large files, no base64)."""
+        return model_response(await service.upload_stream(sandbox_id, path, request.stream(), mode))
+
+    @app.get("/sandboxes/{sandbox_id}/files/raw")
+    async def download_raw(sandbox_id: str, path: str = Query(..., min_length=1)) -> StreamingResponse:
+        """Our addition: stream a file's bytes (large files, no base64)."""
+        size, chunks = service.download_stream(sandbox_id, path)
+        return StreamingResponse(chunks, media_type="application/octet-stream",
+                                 headers={"Content-Length": str(size)})
+
     @app.get("/sandboxes/{sandbox_id}/files/list")
     async def list_files(sandbox_id: str, path: str = Query(".", min_length=1)) -> Response:
         return model_response(service.list_files(sandbox_id, path))

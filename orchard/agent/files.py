@@ -97,25 +97,32 @@ class SandboxFiles:
         finally:
             os.close(root_fd)
 
-    def read(self, path: str) -> bytes:
+    def open_read(self, path: str) -> tuple[int, int]:
+        """(fd, size) of a regular file, for reading in chunks; the caller closes fd."""
         full = self._absolute(path)
         try:
             fd = self._open(full, os.O_RDONLY | os.O_NOCTTY | os.O_NONBLOCK)
         except OSError as exc:
             raise _explain(exc, full) from None
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            os.close(fd)
+            raise FileOperationFailed(f"{full}: not a regular file")
+        return fd, info.st_size
+
+    def read(self, path: str) -> bytes:
+        fd, size = self.open_read(path)
         try:
-            info = os.fstat(fd)
-            if not stat.S_ISREG(info.st_mode):
-                raise FileOperationFailed(f"{full}: not a regular file")
-            if info.st_size > MAX_FILE_BYTES:
-                raise FileOperationFailed(f"{full}: larger than {MAX_FILE_BYTES} bytes; use exec to split it")
-            chunks, remaining = [], info.st_size + 1
-            while remaining > 0:
-                chunk = os.read(fd, min(remaining, 8 << 20))
+            if size > MAX_FILE_BYTES:
+                raise FileOperationFailed(f"{self._absolute(path)}: larger than {MAX_FILE_BYTES} bytes; "
+                                          "download it with the raw files route")
+            chunks, offset = [], 0
+            while offset <= size:
+                chunk = os.pread(fd, 8 << 20, offset)
                 if not chunk:
                     break
                 chunks.append(chunk)
-                remaining -= len(chunk)
+                offset += len(chunk)
             return b"".join(chunks)
         finally:
             os.close(fd)
@@ -138,7 +145,8 @@ class SandboxFiles:
             finally:
                 os.close(fd)
 
-    def write(self, path: str, data: bytes, mode: int | None = None) -> int:
+    def open_write(self, path: str, mode: int | None = None) -> int:
+        """A truncated regular file opened for writing (parents made); the caller closes it."""
         full = self._absolute(path)
         try:
             self._make_parents(full)
@@ -148,13 +156,25 @@ class SandboxFiles:
         try:
             if not stat.S_ISREG(os.fstat(fd).st_mode):
                 raise FileOperationFailed(f"{full}: not a regular file")
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
             if mode is not None:
                 os.fchmod(fd, mode)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    def write_chunk(self, fd: int, data: bytes, path: str) -> None:
+        view = memoryview(data)
+        try:
+            while view:
+                view = view[os.write(fd, view):]
         except OSError as exc:
-            raise _explain(exc, full) from None
+            raise _explain(exc, self._absolute(path)) from None
+
+    def write(self, path: str, data: bytes, mode: int | None = None) -> int:
+        fd = self.open_write(path, mode)
+        try:
+            self.write_chunk(fd, data, path)
         finally:
             os.close(fd)
         return len(data)

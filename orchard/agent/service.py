@@ -308,6 +308,39 @@ class AgentService:
         data = files.read(path)
         return FileContent(path=files._absolute(path), content=base64.b64encode(data).decode(), size=len(data))
 
+    async def upload_stream(self, sandbox_id: str, path: str, chunks: AsyncIterator[bytes],
+                            mode: Optional[int] = None) -> FileUploaded:
+        """Write a file from a byte stream (no JSON, no base64; the loop stays free)."""
+        files = self._files(self._ready(sandbox_id))
+        fd = files.open_write(path, mode)
+        size = 0
+        try:
+            async for chunk in chunks:
+                files.write_chunk(fd, chunk, path)
+                size += len(chunk)
+        finally:
+            os.close(fd)
+        return FileUploaded(path=files._absolute(path), size=size)
+
+    def download_stream(self, sandbox_id: str, path: str) -> tuple[int, AsyncIterator[bytes]]:
+        """(size, chunks) of a file, read lazily."""
+        fd, size = self._files(self._ready(sandbox_id)).open_read(path)
+
+        async def chunks() -> AsyncIterator[bytes]:
+            offset = 0
+            try:
+                while True:
+                    chunk = os.pread(fd, 1 << 20, offset)
+                    if not chunk:
+                        return
+                    offset += len(chunk)
+                    yield chunk
+                    await asyncio.sleep(0)
+            finally:
+                os.close(fd)
+
+        return size, chunks()
+
     def list_files(self, sandbox_id: str, path: str) -> FileList:
         files = self._files(self._ready(sandbox_id))
         return FileList(path=files._absolute(path), files=files.list(path))

@@ -20,6 +20,7 @@ from orchard.plugins import collect
 
 Command = Union[str, list[str]]
 HTTP_MARGIN = 30.0
+RAW_UPLOAD_THRESHOLD = 1 << 20
 
 
 def load_backend(name: str = "local", settings: Optional[dict[str, Any]] = None) -> Backend:
@@ -107,13 +108,21 @@ class AsyncSandbox:
             yield event
 
     async def upload(self, path: str, data: Union[bytes, str], mode: Optional[int] = None) -> int:
+        """Write a file; large ones go as raw bytes (``PUT .../files/raw``), small ones as the
+        original API's base64 JSON."""
         raw = data.encode() if isinstance(data, str) else data
+        if len(raw) > RAW_UPLOAD_THRESHOLD:
+            params: dict[str, Any] = {"path": path, **({"mode": mode} if mode is not None else {})}
+            body = await self.api.request("PUT", f"/sandboxes/{self.id}/files/raw", params=params, content=raw,
+                                          timeout=HTTP_MARGIN + len(raw) / 10e6)
+            return body["size"]
         body = {"path": path, "content": base64.b64encode(raw).decode(), "mode": mode}
         return (await self.api.request("POST", f"/sandboxes/{self.id}/files", json_body=body))["size"]
 
     async def download(self, path: str) -> bytes:
-        body = await self.api.request("GET", f"/sandboxes/{self.id}/files", params={"path": path})
-        return base64.b64decode(body["content"])
+        """A file's bytes, streamed raw (``GET .../files/raw``)."""
+        return await self.api.request("GET", f"/sandboxes/{self.id}/files/raw", params={"path": path},
+                                      raw_response=True, timeout=HTTP_MARGIN * 10)
 
     async def list_files(self, path: str = ".") -> list[FileEntry]:
         body = await self.api.request("GET", f"/sandboxes/{self.id}/files/list", params={"path": path})

@@ -66,12 +66,14 @@ class ApiClient:
             await pool.aclose()
 
     async def request(self, method: str, path: str, *, json_body: Any = None, params: Optional[dict] = None,
-                      headers: Optional[dict] = None, timeout: Optional[float] = None, idempotent: bool = True) -> Any:
+                      headers: Optional[dict] = None, timeout: Optional[float] = None, idempotent: bool = True,
+                      content: Optional[bytes] = None, raw_response: bool = False) -> Any:
+        """JSON in and out by default; ``content`` sends bytes, ``raw_response`` returns bytes."""
         attempt = 0
         while True:
             try:
                 response = await self.http.request(
-                    method, path, json=json_body, params=params, headers=headers,
+                    method, path, json=json_body, params=params, headers=headers, content=content,
                     timeout=timeout if timeout is not None else httpx.USE_CLIENT_DEFAULT)
             except TRANSIENT_ERRORS as exc:
                 if not idempotent or attempt >= self.retries:
@@ -81,7 +83,7 @@ class ApiClient:
                     raise AgentUnreachable(f"{self.url}{path}: timed out ({type(exc).__name__})") from None
             else:
                 if response.status_code < 400:
-                    return response.json()
+                    return response.content if raw_response else response.json()
                 if response.status_code not in TRANSIENT_STATUS or not idempotent or attempt >= self.retries:
                     raise self._error(response)
             attempt += 1

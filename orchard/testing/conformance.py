@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import base64
 import concurrent.futures
+import hashlib
+import os
 import time
 
 import pytest
@@ -201,6 +203,13 @@ def test_upload_download_list(sandbox):
     assert ("sub", "directory") in {(f.name, f.type) for f in sandbox.list_files("data")}
     sandbox.upload("tool.sh", "#!/bin/sh\necho tool\n", mode=0o755)
     assert sandbox.exec("./tool.sh").stdout == "tool\n"
+
+
+def test_large_files_round_trip(sandbox):
+    payload = os.urandom(24 << 20)
+    assert sandbox.upload("big/blob", payload) == len(payload)
+    assert sandbox.exec("sha256sum big/blob").stdout.split()[0] == hashlib.sha256(payload).hexdigest()
+    assert sandbox.download("big/blob") == payload
 
 
 def test_files_written_by_commands_can_be_downloaded(sandbox):
