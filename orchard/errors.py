@@ -152,6 +152,8 @@ def error_from_body(status_code: int, body: object) -> OrchardError:
             return ERRORS_BY_NAME[err["type"]](str(err.get("message", "")))
         detail = body.get("detail")
         message = detail if isinstance(detail, str) else repr(detail)
+        if status_code in (404, 405) and detail in ("Not Found", "Method Not Allowed"):
+            return InternalError(f"HTTP {status_code}: the server has no such route (is it an older version?)")
     else:
         message = str(body)
     by_status = {401: AuthenticationFailed, 403: AuthenticationFailed, 404: SandboxNotFound,

@@ -17,6 +17,7 @@ from typing import Optional
 
 import uvicorn
 
+from orchard import __version__
 from orchard.agent.app import create_app
 from orchard.agent.service import AgentService
 from orchard.agent.settings import AgentSettings
@@ -60,7 +61,8 @@ def serve(settings: AgentSettings, uds: Optional[Path] = None, host: str = "127.
         if server.started:
             if uds is not None:
                 os.chmod(uds, 0o600)
-            info_path.write_text(json.dumps({"pid": os.getpid(), "address": address, "runtime": settings.runtime}))
+            info_path.write_text(json.dumps({"pid": os.getpid(), "address": address, "runtime": settings.runtime,
+                                             "version": __version__}))
 
     server.startup = startup  # type: ignore[method-assign]
     try:

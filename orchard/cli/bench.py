@@ -42,14 +42,41 @@ def sandboxes(sandboxes: int, commands: int, concurrency: int, command: str, ima
             return await run(client, sandboxes, commands, concurrency, command, image, latency_samples)
 
     result = asyncio.run(main())
-    table = Table("metric", "value", title=f"orchard bench sandboxes -n {sandboxes} -m {commands} -c {concurrency}")
+    _report(result, f"orchard bench sandboxes -n {sandboxes} -m {commands} -c {concurrency}", output)
+    for failure in result["failures"]:
+        out.print(f"[red]failure[/red] {failure}")
+    if result["succeeded"] != sandboxes:
+        raise SystemExit(1)
+
+
+def _report(result: dict, title: str, output: Optional[Path]) -> None:
+    table = Table("metric", "value", title=title)
     for key, value in result.items():
         if key != "failures":
             table.add_row(key, json.dumps(value) if isinstance(value, dict) else str(value))
     out.print(table)
-    for failure in result["failures"]:
-        out.print(f"[red]failure[/red] {failure}")
     if output:
         output.write_text(json.dumps(result, indent=2))
-    if result["succeeded"] != sandboxes:
-        raise SystemExit(1)
+
+
+@bench.command("noisy")
+@click.option("--quiet", type=int, default=4, show_default=True, help="sandboxes running `true` in a loop")
+@click.option("--flood-mb", type=int, default=1000, show_default=True, help="stdout flood of one neighbour")
+@click.option("--upload-mb", type=int, default=100, show_default=True, help="upload of another neighbour")
+@click.option("--output", type=click.Path(path_type=Path), default=None)
+@url_option
+@api_key_option
+@backend_option
+@handle_errors
+def noisy(quiet: int, flood_mb: int, upload_mb: int, output: Optional[Path], url: Optional[str],
+          api_key: Optional[str], backend: str) -> None:
+    """Exec latency of quiet sandboxes while one floods output and one uploads a large file."""
+    from orchard.bench.noisy import run
+    from orchard.client.aio import AsyncClient
+
+    async def main() -> dict:
+        async with AsyncClient(url, api_key, backend=None if url else backend) as client:
+            return await run(client, quiet, flood_mb * 10**6, upload_mb * 10**6)
+
+    _report(asyncio.run(main()), f"orchard bench noisy --quiet {quiet} --flood-mb {flood_mb} --upload-mb {upload_mb}",
+            output)

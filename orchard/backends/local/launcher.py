@@ -17,6 +17,7 @@ from typing import Optional
 
 import httpx
 
+from orchard import __version__
 from orchard.agent.settings import AgentSettings
 from orchard.backends.api import AgentEndpoint
 from orchard.errors import BackendUnavailable
@@ -66,10 +67,28 @@ def ensure_agent(settings: AgentSettings) -> AgentEndpoint:
     with open(settings.agent_dir / "launch.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # two programs starting at once get one agent
         info = running_agent(settings)
+        if info is not None and info.get("version") != __version__:
+            info = _replace_outdated(settings, info)
         if info is None:
             info = _start(settings)
     token = (settings.agent_dir / "token").read_text().strip()
     return AgentEndpoint(url=info["address"], token=token)
+
+
+def _replace_outdated(settings: AgentSettings, info: dict) -> Optional[dict]:
+    """An agent of another Orchard version runs here: stop it if it is idle, else refuse."""
+    token = (settings.agent_dir / "token").read_text().strip()
+    address = info["address"]
+    transport = httpx.HTTPTransport(uds=address.removeprefix("unix://")) if address.startswith("unix://") else None
+    with httpx.Client(transport=transport, timeout=5, headers={"X-API-Key": token}) as client:
+        base = "http://agent" if transport else address
+        sandboxes = client.get(f"{base}/sandboxes").json().get("sandboxes", [])
+    if sandboxes:
+        raise BackendUnavailable(
+            f"an agent of Orchard {info.get('version', '?')} (this is {__version__}) hosts {len(sandboxes)} "
+            f"sandboxes in {settings.state_dir}; run `orchard agent stop` (it deletes them) to upgrade")
+    stop_agent(settings)
+    return None
 
 
 def _start(settings: AgentSettings) -> dict:
