@@ -135,6 +135,14 @@ class CgroupManager:
                 if not name.startswith(("memory.memsw", "memory.swap")):
                     raise
 
+    def remove_bases(self) -> None:
+        """Remove this agent's (empty) cgroup directories when it stops."""
+        for base in self.bases.values():
+            try:
+                base.rmdir()
+            except OSError:
+                pass
+
     def leftovers(self) -> list[Path]:
         """Sandbox cgroups that still exist (for leak checks)."""
         return [p for base in self.bases.values() if base.exists() for p in base.iterdir() if p.is_dir()]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import hashlib
 import logging
 import os
 import resource
@@ -83,7 +84,8 @@ class AgentService:
         helper = helper_path(settings.share_dir)
         privileged = os.geteuid() == 0
         owner = (settings.host_uid, settings.host_gid) if privileged else None
-        self.cgroups = CgroupManager(agent_name=settings.state_dir.name + "-" + str(abs(hash(settings.state_dir)) % 10**8))
+        digest = hashlib.sha256(str(settings.state_dir.resolve()).encode()).hexdigest()[:10]
+        self.cgroups = CgroupManager(agent_name=f"{settings.state_dir.name}-{digest}")  # stable across restarts
         self._clean_leftovers()
         images = ImageStore(settings.images_dir, owner, settings.insecure_registries, self.reaper)
         context = RuntimeContext(settings=settings, helper=helper, cgroups=self.cgroups, images=images,
@@ -112,6 +114,7 @@ class AgentService:
         await asyncio.gather(*(self.delete(sid) for sid in list(self.sandboxes)), return_exceptions=True)
         for task in self._tasks:
             task.cancel()
+        self.cgroups.remove_bases()
 
     def _spawn(self, coro) -> asyncio.Task:
         task = asyncio.get_running_loop().create_task(coro)

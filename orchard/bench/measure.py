@@ -10,7 +10,7 @@ CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 def percentile(values: list[float], q: float) -> float:
     if not values:
-        return float("nan")
+        return 0.0
     ordered = sorted(values)
     index = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
     return ordered[index]
