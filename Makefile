@@ -24,10 +24,10 @@ system-deps:
 
 venv: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml plugins/orchard-remote-agent/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q -e '.[test]'
+	$(PIP) install -q -e '.[test]' -e plugins/orchard-remote-agent
 	touch $@
 
 bench: system-deps venv  ## the figures of docs/benchmarks.md

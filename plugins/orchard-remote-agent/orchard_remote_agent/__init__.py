@@ -1,0 +1,1 @@
+"""A worked example of a third-party Orchard backend plugin."""
