@@ -96,7 +96,9 @@ class JobRunner:
         placement = sandbox.placement
         assert placement is not None
         request, job = record.request, record.job
-        argv = runtime.command(sandbox, shell_argv(placement.shell, request.command_text(), request.login_shell), cwd)
+        job_cgroup = sandbox.cgroup.job_dir() if sandbox.cgroup is not None else None
+        argv = runtime.command(sandbox, shell_argv(placement.shell, request.command_text(), request.login_shell), cwd,
+                               job_cgroup)
         env = {**placement.env, **request.env}
         record.stdout = SpoolFile("stdout", self.max_output_bytes)
         record.stderr = SpoolFile("stderr", self.max_output_bytes)
@@ -115,6 +117,8 @@ class JobRunner:
             ], setsid=True, setsigdef=(signal.SIGPIPE, signal.SIGXFSZ, signal.SIGINT, signal.SIGTERM))
             job.status, job.started_at = "running", time.time()
             exit_code, killed_for = await self._supervise(record)
+            if killed_for is not None and job_cgroup is not None and sandbox.cgroup is not None:
+                sandbox.cgroup.kill_job(job_cgroup)  # also what left the process group
         finally:
             if stdin_fd >= 0:
                 os.close(stdin_fd)

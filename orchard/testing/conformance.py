@@ -94,6 +94,13 @@ def test_timeout_kills_the_process_tree(sandbox):
     assert check.stdout == "dead\n"
 
 
+def test_timeout_also_kills_what_left_the_session(sandbox):
+    job = sandbox.exec("setsid sleep 300 & echo $! > escaped.pid; sleep 300", timeout=1)
+    assert job.exit_code == 124
+    check = sandbox.exec("kill -0 $(cat escaped.pid) 2>/dev/null && echo alive || echo dead")
+    assert check.stdout == "dead\n"
+
+
 def test_idle_timeout(sandbox):
     job = sandbox.exec("echo started; sleep 300", idle_timeout=1, timeout=60)
     assert job.exit_code == 124 and job.error_type == "timeout" and "no output" in job.stderr

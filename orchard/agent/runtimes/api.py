@@ -50,13 +50,13 @@ class IsolationRuntime(ABC):
     async def stop(self, sandbox: "SandboxState") -> None:
         """Kill everything in the sandbox and remove what it left on the host."""
 
-    def command(self, sandbox: "SandboxState", argv: list[str], cwd: str) -> list[str]:
+    def command(self, sandbox: "SandboxState", argv: list[str], cwd: str, job_cgroup: Optional[Path] = None) -> list[str]:
         """The argv the agent spawns to run ``argv`` in ``cwd`` inside the sandbox."""
         placement = sandbox.placement
         assert placement is not None
         full = [str(self.context.helper)]
         if sandbox.cgroup is not None:
-            for procs in sandbox.cgroup.procs_files:
+            for procs in sandbox.cgroup.job_procs_files(job_cgroup):
                 full += ["--cgroup", procs]
         if placement.target_pid is not None:
             full += ["--target", str(placement.target_pid)]
