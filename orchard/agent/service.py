@@ -20,6 +20,7 @@ from orchard.agent.cgroups import CgroupManager
 from orchard.agent.files import SandboxFiles
 from orchard.agent.images import ImageStore
 from orchard.agent.jobs import JobRecord, JobRunner
+from orchard.agent.jobtable import JobTable
 from orchard.agent.reaper import ChildReaper
 from orchard.agent.runtimes.api import IsolationRuntime, RuntimeContext
 from orchard.agent.runtimes.bwrap import build_host_etc
@@ -60,7 +61,7 @@ class AgentService:
     def __init__(self, settings: AgentSettings) -> None:
         self.settings = settings
         self.sandboxes: dict[str, SandboxState] = {}
-        self.jobs: dict[str, JobRecord] = {}
+        self.jobs = JobTable(settings.job_retention_seconds, settings.job_retention_bytes)
         self.reaper = ChildReaper()
         self.started_at = time.time()
         self._tasks: set[asyncio.Task] = set()
@@ -125,10 +126,7 @@ class AgentService:
     async def _purge_loop(self) -> None:
         while True:
             await asyncio.sleep(PURGE_INTERVAL)
-            cutoff = time.monotonic() - self.settings.job_retention_seconds
-            for job_id, record in list(self.jobs.items()):
-                if record.done.is_set() and record.finished_at < cutoff:
-                    del self.jobs[job_id]
+            self.jobs.purge_expired()
 
     # -- sandboxes -----------------------------------------------------------------
     def _get(self, sandbox_id: str) -> SandboxState:
@@ -223,11 +221,12 @@ class AgentService:
         if sandbox.deleting:
             return
         sandbox.deleting = True
+        if sandbox.status == "pending":
+            await sandbox.ready_event.wait()  # let creation finish, then tear down what it built
         await self._release(sandbox)
         sandbox.status = "deleted"
         self.sandboxes.pop(sandbox_id, None)
-        for job_id in [j for j, r in self.jobs.items() if r.job.sandbox_id == sandbox_id and r.done.is_set()]:
-            del self.jobs[job_id]
+        self.jobs.drop_sandbox(sandbox_id)
         emit_event({"type": "deleted", "sandbox_id": sandbox_id, "time": time.time()})
 
     def heartbeat(self, sandbox_id: str) -> Sandbox:
@@ -247,8 +246,8 @@ class AgentService:
     def submit(self, sandbox_id: str, request: ExecRequest, idempotency_key: Optional[str] = None) -> JobRecord:
         """Queue a command; the same idempotency key returns the same job, never a second run."""
         key = request.job_id or idempotency_key
-        if key is not None and key in self.jobs:
-            record = self.jobs[key]
+        record = self.jobs.get(key) if key is not None else None
+        if record is not None:
             if record.job.sandbox_id != sandbox_id or record.job.command != request.command_text():
                 raise SandboxConflict(f"job id {key!r} was already used for a different command")
             return record
@@ -258,9 +257,10 @@ class AgentService:
         job = Job(job_id=job_id, sandbox_id=sandbox_id, command=request.command_text(), status="queued",
                   created_at=time.time())
         record = JobRecord(job=job, request=request)
-        self.jobs[job_id] = record
+        self.jobs.add(record)
         assert self.runtime is not None
-        self._spawn(self.jobs_runner.run(sandbox, self.runtime, record, cwd))
+        task = self._spawn(self.jobs_runner.run(sandbox, self.runtime, record, cwd))
+        task.add_done_callback(lambda _: self.jobs.finished(record))
         return record
 
     async def exec(self, sandbox_id: str, request: ExecRequest, idempotency_key: Optional[str] = None) -> Job | QueuedJob:
@@ -361,7 +361,7 @@ class AgentService:
         counts: dict[str, int] = {}
         for sandbox in self.sandboxes.values():
             counts[sandbox.status] = counts.get(sandbox.status, 0) + 1
-        running = sum(1 for r in self.jobs.values() if not r.done.is_set())
+        running = self.jobs.running()
         with open("/proc/meminfo") as meminfo:
             fields = dict(line.split(":", 1) for line in meminfo)
         return {
