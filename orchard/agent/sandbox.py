@@ -39,7 +39,6 @@ class SandboxState:
     placement: Optional[Placement] = None
     cgroup: Optional[SandboxCgroup] = None
     created_at: float = field(default_factory=time.time)
-    last_used: float = field(default_factory=time.monotonic)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     ready_event: asyncio.Event = field(default_factory=asyncio.Event)
     deleting: bool = False

@@ -16,7 +16,7 @@ import time
 from pathlib import Path, PurePosixPath
 from typing import AsyncIterator, Optional
 
-from orchard.agent.cgroups import CgroupManager
+from orchard.agent.cgroups import CgroupManager, SandboxCgroup
 from orchard.agent.files import SandboxFiles
 from orchard.agent.images import ImageStore
 from orchard.agent.jobs import JobRecord, JobRunner
@@ -106,8 +106,7 @@ class AgentService:
                     pass
             shutil.rmtree(entry, ignore_errors=True)
         for group in self.cgroups.leftovers():
-            from orchard.agent.cgroups import SandboxCgroup
-            leftover = SandboxCgroup({"x": group})
+            leftover = SandboxCgroup({"leftover": group})
             leftover.kill_all()
             leftover.remove()
 
@@ -133,7 +132,6 @@ class AgentService:
         sandbox = self.sandboxes.get(sandbox_id)
         if sandbox is None:
             raise SandboxNotFound(f"sandbox {sandbox_id!r} not found")
-        sandbox.last_used = time.monotonic()
         return sandbox
 
     def _ready(self, sandbox_id: str) -> SandboxState:

@@ -18,6 +18,7 @@ import signal
 from pathlib import Path
 from typing import Optional
 
+from orchard.agent.files import SandboxFiles
 from orchard.agent.images import ResolvedImage
 from orchard.agent.runtimes.api import IsolationRuntime
 from orchard.agent.runtimes.mounts import mount, unmount
@@ -36,6 +37,10 @@ HOST_ETC_ALLOWLIST = (
 )
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 SANDBOX_HOME = "/home/user"
+
+
+def _size(value: Optional[str]) -> Optional[int]:
+    return parse_bytes(value) if value else None
 
 
 def build_host_etc(target: Path, generated: dict[str, str]) -> None:
@@ -78,8 +83,9 @@ class BwrapRuntime(IsolationRuntime):
         privileged = os.geteuid() == 0
         owner = (settings.host_uid, settings.host_gid) if privileged else None
         spec = sandbox.spec
-        disk = parse_bytes(spec.disk or settings.default_disk) if (spec.disk or settings.default_disk) else None
+        disk = _size(spec.disk or settings.default_disk)
         placement = Placement(root="", uid=settings.sandbox_uid, gid=settings.sandbox_gid, file_owner=owner)
+        sandbox.placement = placement  # attached first, so a failure below still gets cleaned up
         if image.kind == "host":
             args = self._host_image_args(disk)
             placement.default_cwd = "/workspace"
@@ -88,13 +94,12 @@ class BwrapRuntime(IsolationRuntime):
             args = self._rootfs_args(sandbox, image, disk, owner, placement)
         placement.env.setdefault("PATH", DEFAULT_PATH)
         placement.env.update(spec.env)
-        memory = parse_bytes(spec.memory or settings.default_memory) if (spec.memory or settings.default_memory) else None
         if self.context.cgroups.available:
             sandbox.cgroup = self.context.cgroups.create(
-                sandbox.sandbox_id, memory, spec.pids or settings.default_pids, parse_cpu(spec.cpu) if spec.cpu else None)
+                sandbox.sandbox_id, _size(spec.memory or settings.default_memory), spec.pids or settings.default_pids,
+                parse_cpu(spec.cpu) if spec.cpu else None)
         elif spec.memory or spec.pids or spec.cpu:
             raise QuotaExceeded("resource limits were asked for, but no cgroup hierarchy is writable here")
-        sandbox.placement = placement
         await self._spawn_holder(sandbox, args, owner)
         placement.shell = "bash" if self._has(placement, "/bin/bash") else "sh"
 
@@ -207,7 +212,6 @@ class BwrapRuntime(IsolationRuntime):
         return readable.done() and os.read(fd, 16) == b"ready\n"
 
     def _has(self, placement: Placement, path: str) -> bool:
-        from orchard.agent.files import SandboxFiles
         return SandboxFiles(placement.root, None).exists(path)
 
     # -- stop ----------------------------------------------------------------------

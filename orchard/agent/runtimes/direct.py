@@ -10,7 +10,8 @@ import os
 
 from orchard.agent.runtimes.api import IsolationRuntime
 from orchard.agent.sandbox import Placement, SandboxState
-from orchard.errors import InvalidRequest
+from orchard.errors import InvalidRequest, QuotaExceeded
+from orchard.quantities import parse_bytes, parse_cpu
 
 
 class DirectRuntime(IsolationRuntime):
@@ -22,14 +23,13 @@ class DirectRuntime(IsolationRuntime):
         workdir = "/workspace" if os.path.isdir("/workspace") else "/"
         sandbox.placement = Placement(root="/", shell="bash" if os.path.exists("/bin/bash") else "sh",
                                       default_cwd=workdir, env={"HOME": os.environ.get("HOME", "/root")})
-        if sandbox.spec.memory or sandbox.spec.pids or sandbox.spec.cpu:
-            cgroups = self.context.cgroups
-            if cgroups.available:
-                from orchard.quantities import parse_bytes, parse_cpu
-                spec = sandbox.spec
-                sandbox.cgroup = cgroups.create(
-                    sandbox.sandbox_id, parse_bytes(spec.memory) if spec.memory else None,
-                    spec.pids, parse_cpu(spec.cpu) if spec.cpu else None)
+        spec = sandbox.spec
+        if spec.memory or spec.pids or spec.cpu:
+            if not self.context.cgroups.available:
+                raise QuotaExceeded("resource limits were asked for, but no cgroup hierarchy is writable here")
+            sandbox.cgroup = self.context.cgroups.create(
+                sandbox.sandbox_id, parse_bytes(spec.memory) if spec.memory else None, spec.pids,
+                parse_cpu(spec.cpu) if spec.cpu else None)
 
     async def stop(self, sandbox: SandboxState) -> None:
         if sandbox.cgroup is not None:
