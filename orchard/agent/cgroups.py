@@ -112,17 +112,19 @@ class SandboxCgroup:
                     ok = False
         return ok
 
-    def memory_events_oom(self) -> bool:
+    def oom_kills(self) -> int:
+        """How many processes the OOM killer ended in this sandbox so far."""
         d = self.dirs.get("memory")
         if d is None:
-            return False
-        try:
-            if (d / "memory.failcnt").exists():
-                return int((d / "memory.failcnt").read_text()) > 0
-            events = (d / "memory.events").read_text()
-            return any(line.startswith("oom_kill ") and int(line.split()[1]) > 0 for line in events.splitlines())
-        except (OSError, ValueError):
-            return False
+            return 0
+        for name in ("memory.oom_control", "memory.events"):  # v1, v2
+            try:
+                for line in (d / name).read_text().splitlines():
+                    if line.startswith("oom_kill "):
+                        return int(line.split()[1])
+            except (OSError, ValueError):
+                continue
+        return 0
 
 
 class CgroupManager:

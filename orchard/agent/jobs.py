@@ -24,6 +24,7 @@ from orchard.agent.spool import SpoolFile
 from orchard.models import ExecRequest, Job
 
 POLL_SECONDS = 0.25
+FLOOD_POLL_SECONDS = 0.01  # while output pours in, release it often: its pages count against the sandbox
 STREAM_POLL_SECONDS = 0.02
 TIMEOUT_EXIT_CODE = 124
 _TTY_WARNINGS = (
@@ -116,7 +117,10 @@ class JobRunner:
                 (os.POSIX_SPAWN_DUP2, record.stderr.fd, 2),
             ], setsid=True, setsigdef=(signal.SIGPIPE, signal.SIGXFSZ, signal.SIGINT, signal.SIGTERM))
             job.status, job.started_at = "running", time.time()
+            ooms_before = sandbox.cgroup.oom_kills() if sandbox.cgroup is not None else 0
             exit_code, killed_for = await self._supervise(record)
+            if sandbox.cgroup is not None and sandbox.cgroup.oom_kills() > ooms_before:
+                job.error = "the out-of-memory killer ended a process: the sandbox hit its memory limit"
             if killed_for is not None and job_cgroup is not None and sandbox.cgroup is not None:
                 sandbox.cgroup.kill_job(job_cgroup)  # also what left the process group
         finally:
@@ -132,13 +136,16 @@ class JobRunner:
         deadline = time.monotonic() + request.effective_timeout()
         last_size, last_change = 0, time.monotonic()
         killed_for: Optional[str] = None
+        poll = FLOOD_POLL_SECONDS  # start fast, back off while output stays small
         while not exited.done():
             remaining = deadline - time.monotonic()
-            await asyncio.wait([exited], timeout=max(0.0, min(POLL_SECONDS, remaining)))
+            await asyncio.wait([exited], timeout=max(0.0, min(poll, remaining)))
             if exited.done():
                 break
             now = time.monotonic()
             size = record.stdout.size() + record.stderr.size()
+            flooding = size - last_size > 2 * self.max_output_bytes
+            poll = FLOOD_POLL_SECONDS if flooding else min(POLL_SECONDS, poll * 2)
             if size != last_size:
                 last_size, last_change = size, now
                 for spool in (record.stdout, record.stderr):

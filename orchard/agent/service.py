@@ -183,7 +183,7 @@ class AgentService:
             return
         code = future.result() if not future.cancelled() else -1
         reason = f"sandbox holder exited (code {code})"
-        if sandbox.cgroup is not None and sandbox.cgroup.memory_events_oom():
+        if sandbox.cgroup is not None and sandbox.cgroup.oom_kills():
             reason += "; the memory limit was hit (OOM)"
         sandbox.status, sandbox.status_message = "lost", reason
         log.warning("sandbox %s lost: %s", sandbox.sandbox_id, reason)

@@ -63,12 +63,13 @@ def _report(result: dict, title: str, output: Optional[Path]) -> None:
 @click.option("--quiet", type=int, default=4, show_default=True, help="sandboxes running `true` in a loop")
 @click.option("--flood-mb", type=int, default=1000, show_default=True, help="stdout flood of one neighbour")
 @click.option("--upload-mb", type=int, default=100, show_default=True, help="upload of another neighbour")
+@click.option("--rounds", type=int, default=5, show_default=True, help="times the noise is repeated")
 @click.option("--output", type=click.Path(path_type=Path), default=None)
 @url_option
 @api_key_option
 @backend_option
 @handle_errors
-def noisy(quiet: int, flood_mb: int, upload_mb: int, output: Optional[Path], url: Optional[str],
+def noisy(quiet: int, flood_mb: int, upload_mb: int, rounds: int, output: Optional[Path], url: Optional[str],
           api_key: Optional[str], backend: str) -> None:
     """Exec latency of quiet sandboxes while one floods output and one uploads a large file."""
     from orchard.bench.noisy import run
@@ -76,7 +77,7 @@ def noisy(quiet: int, flood_mb: int, upload_mb: int, output: Optional[Path], url
 
     async def main() -> dict:
         async with AsyncClient(url, api_key, backend=None if url else backend) as client:
-            return await run(client, quiet, flood_mb * 10**6, upload_mb * 10**6)
+            return await run(client, quiet, flood_mb * 10**6, upload_mb * 10**6, rounds)
 
-    _report(asyncio.run(main()), f"orchard bench noisy --quiet {quiet} --flood-mb {flood_mb} --upload-mb {upload_mb}",
-            output)
+    _report(asyncio.run(main()), f"orchard bench noisy --quiet {quiet} --flood-mb {flood_mb} --upload-mb {upload_mb} "
+            f"--rounds {rounds}", output)

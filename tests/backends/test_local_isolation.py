@@ -112,6 +112,7 @@ def test_memory_limit_holds(orchard_client):
     with orchard_client.create(memory="64Mi") as small:
         job = small.exec("python3 -c \"x = bytearray(300 * 2**20); print('allocated')\"", timeout=60)
         assert job.exit_code != 0 and "allocated" not in job.stdout
+        assert job.exit_code == 137 and "memory limit" in (job.error or "")
         assert small.exec("echo survived").stdout == "survived\n"
 
 
