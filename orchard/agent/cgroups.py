@@ -16,6 +16,18 @@ V1_ROOT = Path("/sys/fs/cgroup")
 CFS_PERIOD_US = 100_000
 
 
+def _read_small(path: Path) -> bytes:
+    """One read of a small kernel file (pathlib's read_text costs several times more)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return b"?"
+    try:
+        return os.read(fd, 4096)
+    finally:
+        os.close(fd)
+
+
 def _walk_bottom_up(root: Path) -> list[Path]:
     return [Path(top) for top, _, _ in os.walk(root, topdown=False)]
 
@@ -32,6 +44,7 @@ class SandboxCgroup:
     dirs: dict[str, Path] = field(default_factory=dict)
     job_controller: Optional[str] = None  # the controller whose tree holds per-job children
     job_dirs: list[Path] = field(default_factory=list)
+    oom_kills_seen: int = 0
 
     @property
     def procs_files(self) -> list[str]:
@@ -46,11 +59,8 @@ class SandboxCgroup:
         if self.job_controller is None:
             return None
         for path in self.job_dirs:
-            try:
-                if not (path / "cgroup.procs").read_text().strip():
-                    return path
-            except OSError:
-                continue
+            if not _read_small(path / "cgroup.procs").strip():
+                return path
         path = self.dirs[self.job_controller] / f"job-{len(self.job_dirs)}"
         try:
             path.mkdir()
@@ -111,6 +121,12 @@ class SandboxCgroup:
                 except OSError:
                     ok = False
         return ok
+
+    def new_oom_kills(self) -> int:
+        """OOM kills since the last call (read only when a command died of a signal)."""
+        total = self.oom_kills()
+        new, self.oom_kills_seen = total - self.oom_kills_seen, total
+        return new
 
     def oom_kills(self) -> int:
         """How many processes the OOM killer ended in this sandbox so far."""

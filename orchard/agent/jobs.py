@@ -117,9 +117,8 @@ class JobRunner:
                 (os.POSIX_SPAWN_DUP2, record.stderr.fd, 2),
             ], setsid=True, setsigdef=(signal.SIGPIPE, signal.SIGXFSZ, signal.SIGINT, signal.SIGTERM))
             job.status, job.started_at = "running", time.time()
-            ooms_before = sandbox.cgroup.oom_kills() if sandbox.cgroup is not None else 0
             exit_code, killed_for = await self._supervise(record)
-            if sandbox.cgroup is not None and sandbox.cgroup.oom_kills() > ooms_before:
+            if exit_code > 128 and sandbox.cgroup is not None and sandbox.cgroup.new_oom_kills():
                 job.error = "the out-of-memory killer ended a process: the sandbox hit its memory limit"
             if killed_for is not None and job_cgroup is not None and sandbox.cgroup is not None:
                 sandbox.cgroup.kill_job(job_cgroup)  # also what left the process group
