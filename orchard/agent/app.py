@@ -7,58 +7,18 @@ one error body shape, and the SDK turns them back into the same exception types.
 from __future__ import annotations
 
 import json
-import secrets
 from contextlib import asynccontextmanager
-from typing import Any, AsyncIterator, Callable, Optional
+from typing import AsyncIterator, Optional
 
 from fastapi import FastAPI, Header, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel
 
 from orchard import __version__
 from orchard.agent.service import AgentService
-from orchard.errors import AuthenticationFailed, OrchardError
+from orchard.errors import OrchardError
 from orchard.models import ExecRequest, FileUpload, PatchRequest, SandboxSpec
-
-OPEN_PATHS = {"/", "/health"}
-MAX_WAIT_SECONDS = 3600.0
-
-
-def model_response(model: BaseModel | list[BaseModel] | dict, status_code: int = 200) -> Response:
-    """Serialize with pydantic directly: FastAPI's generic encoder costs ~0.3 ms a call."""
-    if isinstance(model, BaseModel):
-        body = model.model_dump_json()
-    elif isinstance(model, list):
-        body = "[" + ",".join(m.model_dump_json() for m in model) + "]"
-    else:
-        body = json.dumps(model)
-    return Response(content=body, status_code=status_code, media_type="application/json")
-
-
-def validation_body(exc: RequestValidationError) -> dict[str, Any]:
-    errors = [{"loc": list(e.get("loc", ())), "msg": e.get("msg", ""), "type": e.get("type", "")} for e in exc.errors()]
-    summary = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in errors)
-    return {"detail": errors, "error": {"type": "InvalidRequest", "message": summary or "invalid request"}}
-
-
-class ApiKeyMiddleware:
-    """Checks ``X-API-Key`` on every route but ``/`` and ``/health``. Plain ASGI: the
-    ``@app.middleware`` style costs a task group per request on the hot path."""
-
-    def __init__(self, app: Callable, token: str) -> None:
-        self.app = app
-        self.token = token.encode()
-
-    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
-        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
-            given = next((value for key, value in scope["headers"] if key == b"x-api-key"), b"")
-            if not secrets.compare_digest(given, self.token):
-                error = AuthenticationFailed("missing or wrong X-API-Key")
-                await JSONResponse(error.to_body(), status_code=error.status_code)(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
-
+from orchard.webapi import MAX_WAIT_SECONDS, ApiKeyMiddleware, model_response, validation_body
 
 def create_app(service: AgentService, token: Optional[str]) -> FastAPI:
     @asynccontextmanager

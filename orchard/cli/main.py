@@ -11,6 +11,7 @@ from orchard.cli.agent import agent
 from orchard.cli.bench import bench
 from orchard.cli.sandbox import sandbox
 from orchard.cli.quickstart import quickstart
+from orchard.cli.serve import serve
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -46,6 +47,7 @@ cli.add_command(sandbox)
 cli.add_command(agent)
 cli.add_command(bench)
 cli.add_command(quickstart)
+cli.add_command(serve)
 
 
 def main() -> None:

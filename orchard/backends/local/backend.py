@@ -16,6 +16,7 @@ from orchard.agent.settings import AgentSettings
 from orchard.backends.api import AgentEndpoint, Backend, BackendConfig
 from orchard.backends.local.launcher import ensure_agent
 from orchard.client.http import ApiClient
+from orchard.errors import AgentUnreachable
 from orchard.models import Sandbox, SandboxSpec
 
 
@@ -45,23 +46,33 @@ class LocalBackend(Backend):
             async with self._lock:
                 if self._api is None:
                     self._endpoint = await asyncio.to_thread(ensure_agent, self.config.agent)
-                    self._api = ApiClient(self._endpoint.url, self._endpoint.token)
+                    self._api = ApiClient(self._endpoint.url, self._endpoint.token, retries=2)
         return self._api
 
+    async def _request(self, method: str, path: str, **kwargs: Any) -> Any:
+        """A call to the agent; if it died, a new agent is started and the call made once more
+        (its sandboxes died with the old one: callers then see them as not found)."""
+        try:
+            return await (await self.agent()).request(method, path, **kwargs)
+        except AgentUnreachable:
+            api, self._api = self._api, None
+            if api is not None:
+                await api.close()
+            return await (await self.agent()).request(method, path, **kwargs)
+
     async def create(self, spec: SandboxSpec) -> Sandbox:
-        api = await self.agent()
         timeout = (spec.timeout or self.config.agent.ready_timeout) + 30
-        return Sandbox(**await api.request("POST", "/sandboxes", json_body=spec.model_dump(), timeout=timeout))
+        return Sandbox(**await self._request("POST", "/sandboxes", json_body=spec.model_dump(), timeout=timeout))
 
     async def delete(self, sandbox_id: str) -> None:
-        await (await self.agent()).request("DELETE", f"/sandboxes/{sandbox_id}")
+        await self._request("DELETE", f"/sandboxes/{sandbox_id}")
 
     async def list(self) -> list[Sandbox]:
-        body = await (await self.agent()).request("GET", "/sandboxes")
+        body = await self._request("GET", "/sandboxes")
         return [Sandbox(**item) for item in body["sandboxes"]]
 
     async def status(self, sandbox_id: str) -> Sandbox:
-        return Sandbox(**await (await self.agent()).request("GET", f"/sandboxes/{sandbox_id}"))
+        return Sandbox(**await self._request("GET", f"/sandboxes/{sandbox_id}"))
 
     async def endpoint(self, sandbox_id: str) -> AgentEndpoint:
         await self.agent()
@@ -69,7 +80,7 @@ class LocalBackend(Backend):
         return self._endpoint
 
     async def resources(self) -> dict[str, Any]:
-        return await (await self.agent()).request("GET", "/resources")
+        return await self._request("GET", "/resources")
 
     async def close(self) -> None:
         if self._api is not None:

@@ -1,0 +1,1 @@
+"""``orchard serve``: the Orchard Env REST service (state, reconciler, auth, metrics)."""

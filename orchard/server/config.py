@@ -1,0 +1,79 @@
+"""Server configuration: one YAML file, flags for the common settings, typed errors.
+
+The backend section names a backend and its settings; the settings are validated by
+that backend's own config model, so an error points at ``backend.settings.<key>``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError
+
+from orchard.agent.settings import default_state_dir
+from orchard.backends.api import Backend
+from orchard.errors import InvalidRequest
+from orchard.plugins import collect
+
+
+class BackendSection(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field("local", description="an installed backend (see `orchard backends`)")
+    settings: dict[str, Any] = Field(default_factory=dict, description="validated by the backend's own model")
+
+
+class ReconcilerSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    interval: float = Field(5.0, gt=0, description="seconds between rounds")
+    heartbeat_ttl: Optional[float] = Field(600.0, gt=0, description="delete sandboxes not heard from for this long")
+    max_lifetime: Optional[float] = Field(None, gt=0, description="delete sandboxes older than this (absolute TTL)")
+    list_timeout: float = Field(10.0, gt=0, description="a backend list slower than this skips the round")
+    lost_grace: float = Field(10.0, ge=0, description="age before a sandbox missing from the backend counts as lost")
+
+
+class ServerConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    api_key: Optional[SecretStr] = Field(None, description="X-API-Key callers must send (ORCHARD_API_KEY)")
+    state: Path = Field(default_factory=lambda: default_state_dir() / "server.db", description="SQLite file")
+    backend: BackendSection = Field(default_factory=BackendSection)
+    reconciler: ReconcilerSettings = Field(default_factory=ReconcilerSettings)
+    max_concurrent_exec: int = Field(1024, gt=0, description="commands in flight through this server")
+    job_retention_seconds: float = Field(3600.0, gt=0)
+    log_level: str = "info"
+
+    def make_backend(self) -> Backend:
+        backends = collect("orchard_register_backends")
+        if self.backend.name not in backends:
+            raise InvalidRequest(f"backend.name: unknown backend {self.backend.name!r}; "
+                                 f"installed: {', '.join(sorted(backends))}")
+        cls = backends[self.backend.name]
+        try:
+            return cls(cls.config_model(**self.backend.settings))
+        except ValidationError as exc:
+            raise InvalidRequest("; ".join(
+                f"backend.settings.{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors())) from None
+
+
+def load_config(path: Optional[Path], overrides: dict[str, Any]) -> ServerConfig:
+    """The YAML file (if any), then the flags that were given; errors name the key."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        data = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(data, dict):
+            raise InvalidRequest(f"{path}: expected a mapping at the top level")
+    for key, value in overrides.items():
+        if value is None:
+            continue
+        if key == "backend":
+            data.setdefault("backend", {})["name"] = value
+        else:
+            data[key] = value
+    try:
+        return ServerConfig(**data)
+    except ValidationError as exc:
+        raise InvalidRequest("; ".join(
+            f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors())) from None

@@ -1,0 +1,92 @@
+"""The reconciler: compares the server's records with what the backend really has.
+
+Each round: sandboxes past their heartbeat TTL or absolute lifetime are deleted;
+sandboxes the backend no longer has are marked lost with a reason; sandboxes the
+backend has, labelled as this server's, but unknown to the store (orphans of a crash)
+are deleted. If listing the backend fails or is slow, the round is skipped: nothing
+is ever deleted on the strength of a failed call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Optional
+
+from orchard.server.config import ReconcilerSettings
+from orchard.server.service import OWNER_LABEL, ServerService
+
+log = logging.getLogger("orchard.server.reconciler")
+
+
+class Reconciler:
+    def __init__(self, service: ServerService, settings: ReconcilerSettings) -> None:
+        self.service = service
+        self.settings = settings
+        self._task: Optional[asyncio.Task] = None
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._loop())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.interval)
+            try:
+                await self.run_round()
+            except Exception:
+                log.exception("reconciler round failed")
+
+    def _count(self, action: str, **fields: object) -> None:
+        self.service.metrics.reconciler.labels(action).inc()
+        log.info(action, extra={"fields": fields})
+
+    async def run_round(self) -> None:
+        service, settings = self.service, self.settings
+        now = time.time()
+        for record in service.store.list_sandboxes():
+            sandbox = record.sandbox
+            expired = None
+            if settings.heartbeat_ttl and now - record.last_seen > settings.heartbeat_ttl:
+                expired = f"no heartbeat for {settings.heartbeat_ttl:g}s"
+            elif settings.max_lifetime and now - sandbox.created_at > settings.max_lifetime:
+                expired = f"older than max_lifetime {settings.max_lifetime:g}s"
+            if expired and sandbox.status != "pending":
+                try:
+                    await service.delete(sandbox.sandbox_id, reason=expired)
+                    self._count("expired", sandbox_id=sandbox.sandbox_id, reason=expired)
+                except Exception as exc:
+                    log.warning("could not delete expired sandbox", extra={"fields": {
+                        "sandbox_id": sandbox.sandbox_id, "error": str(exc)}})
+        try:
+            live = {s.sandbox_id: s for s in await asyncio.wait_for(service.backend.list(), settings.list_timeout)}
+        except Exception as exc:  # never act on a failed or partial listing
+            self._count("list_failed", error=f"{type(exc).__name__}: {exc}")
+            return
+        known = {record.sandbox.sandbox_id: record for record in service.store.list_sandboxes()}
+        for sandbox_id, record in known.items():
+            status = record.sandbox.status
+            if status in ("lost", "pending") or now - record.sandbox.created_at < settings.lost_grace:
+                continue
+            seen = live.get(sandbox_id)
+            if seen is None:
+                service.mark_lost(record, "the backend no longer has this sandbox (agent restarted, pod evicted, "
+                                          "job cancelled or node lost)")
+            elif seen.status == "lost":
+                service.mark_lost(record, seen.status_message or "lost")
+        for sandbox_id, seen in live.items():
+            if seen.labels.get(OWNER_LABEL) == service.server_id and sandbox_id not in known:
+                try:
+                    await service.backend.delete(sandbox_id)
+                    self._count("orphan_deleted", sandbox_id=sandbox_id)
+                except Exception as exc:
+                    log.warning("could not delete orphan", extra={"fields": {"sandbox_id": sandbox_id, "error": str(exc)}})
+        service.store.purge_jobs(now - service.config.job_retention_seconds)

@@ -1,0 +1,135 @@
+"""Where the server keeps sandbox and job records, so a restart finds them again.
+
+``Store`` is the small interface a shared store (PostgreSQL, Redis) would implement for
+several replicas; ``SQLiteStore`` is the default, a file and no server to run.
+"""
+
+from __future__ import annotations
+
+import secrets
+import sqlite3
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Optional
+
+from orchard.models import Job, Sandbox, SandboxSpec
+
+
+@dataclass
+class SandboxRecord:
+    spec: SandboxSpec
+    sandbox: Sandbox
+    last_seen: float  # the last call on it: heartbeats and every other call count
+
+
+class Store(ABC):
+    @abstractmethod
+    def server_id(self) -> str:
+        """A stable id of this deployment, to tell its sandboxes from others' on a shared backend."""
+
+    @abstractmethod
+    def put_sandbox(self, record: SandboxRecord) -> None: ...
+
+    @abstractmethod
+    def get_sandbox(self, sandbox_id: str) -> Optional[SandboxRecord]: ...
+
+    @abstractmethod
+    def list_sandboxes(self) -> list[SandboxRecord]: ...
+
+    @abstractmethod
+    def touch(self, sandbox_id: str, when: float) -> None: ...
+
+    @abstractmethod
+    def remove_sandbox(self, sandbox_id: str) -> None: ...
+
+    @abstractmethod
+    def put_job(self, job: Job) -> None: ...
+
+    @abstractmethod
+    def get_job(self, job_id: str) -> Optional[Job]: ...
+
+    @abstractmethod
+    def unfinished_jobs(self, sandbox_id: str) -> list[Job]: ...
+
+    @abstractmethod
+    def purge_jobs(self, finished_before: float) -> int: ...
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS sandboxes (
+    sandbox_id TEXT PRIMARY KEY, spec TEXT NOT NULL, sandbox TEXT NOT NULL, last_seen REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS jobs (
+    job_id TEXT PRIMARY KEY, sandbox_id TEXT NOT NULL, done INTEGER NOT NULL, completed_at REAL,
+    job TEXT NOT NULL);
+CREATE INDEX IF NOT EXISTS jobs_by_sandbox ON jobs (sandbox_id, done);
+CREATE INDEX IF NOT EXISTS jobs_by_completion ON jobs (done, completed_at);
+"""
+
+
+class SQLiteStore(Store):
+    """One SQLite file in WAL mode; every call is a short local transaction."""
+
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.db = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False)
+        self.db.execute("PRAGMA journal_mode=WAL")
+        self.db.execute("PRAGMA synchronous=NORMAL")
+        self.db.executescript(SCHEMA)
+        path.chmod(0o600)
+
+    def server_id(self) -> str:
+        row = self.db.execute("SELECT value FROM meta WHERE key='server_id'").fetchone()
+        if row:
+            return row[0]
+        value = secrets.token_hex(6)
+        self.db.execute("INSERT OR IGNORE INTO meta VALUES ('server_id', ?)", (value,))
+        return self.server_id()
+
+    def put_sandbox(self, record: SandboxRecord) -> None:
+        self.db.execute("INSERT OR REPLACE INTO sandboxes VALUES (?, ?, ?, ?)",
+                        (record.sandbox.sandbox_id, record.spec.model_dump_json(), record.sandbox.model_dump_json(),
+                         record.last_seen))
+
+    @staticmethod
+    def _record(row: Iterable) -> SandboxRecord:
+        spec, sandbox, last_seen = row
+        return SandboxRecord(SandboxSpec.model_validate_json(spec), Sandbox.model_validate_json(sandbox), last_seen)
+
+    def get_sandbox(self, sandbox_id: str) -> Optional[SandboxRecord]:
+        row = self.db.execute("SELECT spec, sandbox, last_seen FROM sandboxes WHERE sandbox_id=?",
+                              (sandbox_id,)).fetchone()
+        return self._record(row) if row else None
+
+    def list_sandboxes(self) -> list[SandboxRecord]:
+        rows = self.db.execute("SELECT spec, sandbox, last_seen FROM sandboxes ORDER BY rowid").fetchall()
+        return [self._record(row) for row in rows]
+
+    def touch(self, sandbox_id: str, when: float) -> None:
+        self.db.execute("UPDATE sandboxes SET last_seen=? WHERE sandbox_id=?", (when, sandbox_id))
+
+    def remove_sandbox(self, sandbox_id: str) -> None:
+        self.db.execute("DELETE FROM sandboxes WHERE sandbox_id=?", (sandbox_id,))
+
+    def put_job(self, job: Job) -> None:
+        self.db.execute("INSERT OR REPLACE INTO jobs VALUES (?, ?, ?, ?, ?)",
+                        (job.job_id, job.sandbox_id, int(job.done), job.completed_at, job.model_dump_json()))
+
+    def get_job(self, job_id: str) -> Optional[Job]:
+        row = self.db.execute("SELECT job FROM jobs WHERE job_id=?", (job_id,)).fetchone()
+        return Job.model_validate_json(row[0]) if row else None
+
+    def unfinished_jobs(self, sandbox_id: str) -> list[Job]:
+        rows = self.db.execute("SELECT job FROM jobs WHERE sandbox_id=? AND done=0", (sandbox_id,)).fetchall()
+        return [Job.model_validate_json(row[0]) for row in rows]
+
+    def purge_jobs(self, finished_before: float) -> int:
+        return self.db.execute("DELETE FROM jobs WHERE done=1 AND completed_at < ?", (finished_before,)).rowcount
+
+    def close(self) -> None:
+        self.db.close()
+
