@@ -101,6 +101,8 @@ def server_factory():
 
     yield make
     for server in started:
+        if os.environ.get("ORCHARD_KEEP_SERVER_LOGS"):
+            shutil.copy(server.log_path, "/tmp/last-server.log")
         server.cleanup()
 
 

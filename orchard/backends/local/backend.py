@@ -33,6 +33,7 @@ class LocalBackend(Backend):
         self.config: LocalBackendConfig = config
         self._endpoint: Optional[AgentEndpoint] = None
         self._api: Optional[ApiClient] = None
+        self._retired: list[ApiClient] = []  # clients of agents that died, closed with the backend
         self._lock = asyncio.Lock()
 
     @classmethod
@@ -52,12 +53,14 @@ class LocalBackend(Backend):
     async def _request(self, method: str, path: str, **kwargs: Any) -> Any:
         """A call to the agent; if it died, a new agent is started and the call made once more
         (its sandboxes died with the old one: callers then see them as not found)."""
+        api = await self.agent()
         try:
-            return await (await self.agent()).request(method, path, **kwargs)
+            return await api.request(method, path, **kwargs)
         except AgentUnreachable:
-            api, self._api = self._api, None
-            if api is not None:
-                await api.close()
+            async with self._lock:
+                if self._api is api:  # first to notice: retire it (others may still be using it)
+                    self._retired.append(api)
+                    self._api = None
             return await (await self.agent()).request(method, path, **kwargs)
 
     async def create(self, spec: SandboxSpec) -> Sandbox:
@@ -83,6 +86,7 @@ class LocalBackend(Backend):
         return await self._request("GET", "/resources")
 
     async def close(self) -> None:
-        if self._api is not None:
-            await self._api.close()
-            self._api = None
+        for api in [self._api, *self._retired]:
+            if api is not None:
+                await api.close()
+        self._api, self._retired = None, []
