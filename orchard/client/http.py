@@ -41,7 +41,7 @@ class ApiClient:
     request against every pooled connection, which at 64+ concurrent calls cost the client
     more CPU than the agent spent running the commands."""
 
-    POOL_SIZE = 8
+    POOL_SIZE = 2
 
     def __init__(self, url: str, api_key: Optional[str] = None, *, timeout: float = 60.0, retries: int = 5,
                  max_connections: int = 128) -> None:

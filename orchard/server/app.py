@@ -102,7 +102,8 @@ def create_app(service: ServerService, reconciler: Reconciler, api_key: Optional
     @app.post("/sandboxes/{sandbox_id}/exec")
     async def exec_command(sandbox_id: str, body: ExecRequest,
                            idempotency_key: Optional[str] = Header(None)) -> Response:
-        return model_response(await service.exec(sandbox_id, body, idempotency_key))
+        answer = await service.exec(sandbox_id, body, idempotency_key)
+        return Response(answer, media_type="application/json")
 
     @app.post("/sandboxes/{sandbox_id}/exec/stream")
     async def exec_stream(sandbox_id: str, body: ExecRequest) -> StreamingResponse:

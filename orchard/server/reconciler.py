@@ -51,6 +51,7 @@ class Reconciler:
 
     async def run_round(self) -> None:
         service, settings = self.service, self.settings
+        service.flush_heartbeats()
         now = time.time()
         for record in service.store.list_sandboxes():
             sandbox = record.sandbox

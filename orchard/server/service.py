@@ -41,8 +41,10 @@ class ServerService:
         self.exec_slots = asyncio.Semaphore(config.max_concurrent_exec)
         self._agents: dict[tuple[str, Optional[str]], ApiClient] = {}
         self._creating: dict[str, asyncio.Event] = {}
+        self._last_seen: dict[str, float] = {}
 
     async def close(self) -> None:
+        self.flush_heartbeats()
         for api in self._agents.values():
             await api.close()
         await self.backend.close()
@@ -63,8 +65,16 @@ class ServerService:
             raise SandboxLost(f"sandbox {sandbox_id!r} was lost: {record.sandbox.status_message}")
         if status != "ready":
             raise SandboxNotReady(f"sandbox {sandbox_id!r} is {status}")
-        self.store.touch(sandbox_id, time.time())
+        self.touch(sandbox_id)
         return record
+
+    def touch(self, sandbox_id: str) -> None:
+        """Note a call on a sandbox; written to the store in batches (see flush_heartbeats)."""
+        self._last_seen[sandbox_id] = time.time()
+
+    def flush_heartbeats(self) -> None:
+        seen, self._last_seen = self._last_seen, {}
+        self.store.touch_many(seen)
 
     def mark_lost(self, record: SandboxRecord, reason: str) -> None:
         if record.sandbox.status == "lost":
@@ -127,7 +137,7 @@ class ServerService:
 
     def get(self, sandbox_id: str) -> Sandbox:
         record = self.record(sandbox_id)
-        self.store.touch(sandbox_id, time.time())
+        self.touch(sandbox_id)
         return record.sandbox
 
     async def wait(self, sandbox_id: str, timeout: float) -> Sandbox:
@@ -155,6 +165,7 @@ class ServerService:
             except SandboxNotFound:
                 pass
         self.store.remove_sandbox(sandbox_id)
+        self._last_seen.pop(sandbox_id, None)
         emit_event({"type": "deleted", "sandbox_id": sandbox_id, "time": time.time(), "reason": reason})
 
     # -- agents --------------------------------------------------------------------
@@ -177,15 +188,19 @@ class ServerService:
             raise SandboxLost(f"sandbox {record.sandbox.sandbox_id!r} was lost: {reason}") from None
 
     # -- exec ----------------------------------------------------------------------
-    async def exec(self, sandbox_id: str, request: ExecRequest, idempotency_key: Optional[str]) -> Job | QueuedJob:
+    async def exec(self, sandbox_id: str, request: ExecRequest, idempotency_key: Optional[str]) -> bytes:
+        """Run a command through the sandbox's agent; returns the agent's JSON answer as is."""
         record = self.usable(sandbox_id)
-        job_id = request.job_id or idempotency_key or f"job-{secrets.token_hex(8)}"
-        known = self.store.get_job(job_id)
-        if known is not None and (known.sandbox_id != sandbox_id or known.command != request.command_text()):
-            raise SandboxConflict(f"job id {job_id!r} was already used for a different command")
-        if known is not None and known.done:
-            return known if request.wait else QueuedJob(job_id=job_id, status=known.status)
-        if known is None:
+        key = request.job_id or idempotency_key
+        if key is not None:
+            known = self.store.get_job(key)
+            if known is not None and (known.sandbox_id != sandbox_id or known.command != request.command_text()):
+                raise SandboxConflict(f"job id {key!r} was already used for a different command")
+            if known is not None and known.done:
+                answer = known if request.wait else QueuedJob(job_id=key, status=known.status)
+                return answer.model_dump_json().encode()
+        job_id = key or f"job-{secrets.token_hex(8)}"
+        if not request.wait:  # a job polled later must be findable even if this server restarts first
             self.store.put_job(Job(job_id=job_id, sandbox_id=sandbox_id, command=request.command_text(),
                                    status="queued", created_at=time.time()))
         body = request.model_dump(mode="json")
@@ -193,13 +208,11 @@ class ServerService:
         start = time.perf_counter()
         async with self.exec_slots:
             answer = await self.forward(record, "POST", f"/sandboxes/{sandbox_id}/exec", json_body=body,
-                                        timeout=request.effective_timeout() + 30)
-        if not request.wait:
-            return QueuedJob(**answer)
-        job = Job(**answer)
-        self.metrics.exec_seconds.observe(time.perf_counter() - start)
-        self.store.put_job(job)
-        return job
+                                        timeout=request.effective_timeout() + 30, raw_response=True)
+        if request.wait:
+            self.metrics.exec_seconds.observe(time.perf_counter() - start)
+            self.store.put_job_json(sandbox_id, answer)
+        return answer
 
     async def stream(self, sandbox_id: str, request: ExecRequest) -> AsyncIterator[dict]:
         record = self.usable(sandbox_id)

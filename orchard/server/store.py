@@ -6,6 +6,7 @@ several replicas; ``SQLiteStore`` is the default, a file and no server to run.
 
 from __future__ import annotations
 
+import json
 import secrets
 import sqlite3
 from abc import ABC, abstractmethod
@@ -38,13 +39,18 @@ class Store(ABC):
     def list_sandboxes(self) -> list[SandboxRecord]: ...
 
     @abstractmethod
-    def touch(self, sandbox_id: str, when: float) -> None: ...
+    def touch_many(self, last_seen: dict[str, float]) -> None:
+        """Record the last call on each sandbox (a batch, written once per reconciler round)."""
 
     @abstractmethod
     def remove_sandbox(self, sandbox_id: str) -> None: ...
 
     @abstractmethod
     def put_job(self, job: Job) -> None: ...
+
+    @abstractmethod
+    def put_job_json(self, sandbox_id: str, job_json: bytes) -> None:
+        """Store a finished job as the agent answered it (the hot path skips a parse)."""
 
     @abstractmethod
     def get_job(self, job_id: str) -> Optional[Job]: ...
@@ -109,8 +115,10 @@ class SQLiteStore(Store):
         rows = self.db.execute("SELECT spec, sandbox, last_seen FROM sandboxes ORDER BY rowid").fetchall()
         return [self._record(row) for row in rows]
 
-    def touch(self, sandbox_id: str, when: float) -> None:
-        self.db.execute("UPDATE sandboxes SET last_seen=? WHERE sandbox_id=?", (when, sandbox_id))
+    def touch_many(self, last_seen: dict[str, float]) -> None:
+        if last_seen:
+            self.db.executemany("UPDATE sandboxes SET last_seen=? WHERE sandbox_id=?",
+                                [(when, sandbox_id) for sandbox_id, when in last_seen.items()])
 
     def remove_sandbox(self, sandbox_id: str) -> None:
         self.db.execute("DELETE FROM sandboxes WHERE sandbox_id=?", (sandbox_id,))
@@ -118,6 +126,12 @@ class SQLiteStore(Store):
     def put_job(self, job: Job) -> None:
         self.db.execute("INSERT OR REPLACE INTO jobs VALUES (?, ?, ?, ?, ?)",
                         (job.job_id, job.sandbox_id, int(job.done), job.completed_at, job.model_dump_json()))
+
+    def put_job_json(self, sandbox_id: str, job_json: bytes) -> None:
+        fields = json.loads(job_json)
+        done = fields.get("status") in ("succeeded", "failed")
+        self.db.execute("INSERT OR REPLACE INTO jobs VALUES (?, ?, ?, ?, ?)",
+                        (fields["job_id"], sandbox_id, int(done), fields.get("completed_at"), job_json.decode()))
 
     def get_job(self, job_id: str) -> Optional[Job]:
         row = self.db.execute("SELECT job FROM jobs WHERE job_id=?", (job_id,)).fetchone()
