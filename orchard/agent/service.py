@@ -105,15 +105,26 @@ class AgentService:
                 except OSError:
                     pass
             shutil.rmtree(entry, ignore_errors=True)
-        for group in self.cgroups.leftovers():
-            leftover = SandboxCgroup({"leftover": group})
-            leftover.kill_all()
-            leftover.remove()
+        self._remove_leftover_cgroups()
+
+    def _remove_leftover_cgroups(self, patience: float = 2.0) -> None:
+        """Kill what still runs in cgroups no sandbox owns and remove them (processes of a
+        killed agent may take a moment to die, so retry for a while)."""
+        deadline = time.monotonic() + patience
+        while True:
+            owned = {sandbox.sandbox_id for sandbox in self.sandboxes.values()}
+            stale = [SandboxCgroup({"leftover": g}) for g in self.cgroups.leftovers() if g.name not in owned]
+            for group in stale:
+                group.kill_all()
+            if all(group.remove() for group in stale) or time.monotonic() > deadline:
+                return
+            time.sleep(0.05)
 
     async def stop(self) -> None:
         await asyncio.gather(*(self.delete(sid) for sid in list(self.sandboxes)), return_exceptions=True)
         for task in self._tasks:
             task.cancel()
+        self._remove_leftover_cgroups()
         self.cgroups.remove_bases()
 
     def _spawn(self, coro) -> asyncio.Task:
