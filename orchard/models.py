@@ -94,6 +94,8 @@ class Sandbox(BaseModel):
     backend: str = "local"
     runtime: Optional[str] = None
     created_at: float = Field(default_factory=time.time)
+    agent_url: Optional[str] = Field(None, description="create response only: the agent, for the direct hot path")
+    agent_token: Optional[str] = Field(None, description="create response only: a token for this sandbox alone")
 
 
 class ExecRequest(Request):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import secrets
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
@@ -35,19 +35,22 @@ def validation_body(exc: RequestValidationError) -> dict[str, Any]:
 
 class ApiKeyMiddleware:
     """Checks ``X-API-Key`` on every route but ``/`` and ``/health``. Plain ASGI: the
-    ``@app.middleware`` style costs a task group per request on the hot path."""
+    ``@app.middleware`` style costs a task group per request on the hot path.
 
-    def __init__(self, app: Callable, token: str) -> None:
+    ``scoped`` (the agent's) may accept other keys for some paths: it gets the path and
+    the given key and says yes or no (per-sandbox tokens)."""
+
+    def __init__(self, app: Callable, token: str, scoped: Optional[Callable[[str, str], bool]] = None) -> None:
         self.app = app
         self.token = token.encode()
+        self.scoped = scoped
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
             given = next((value for key, value in scope["headers"] if key == b"x-api-key"), b"")
-            if not secrets.compare_digest(given, self.token):
+            if not secrets.compare_digest(given, self.token) and not (
+                    self.scoped is not None and given and self.scoped(scope["path"], given.decode(errors="replace"))):
                 error = AuthenticationFailed("missing or wrong X-API-Key")
                 await JSONResponse(error.to_body(), status_code=error.status_code)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
-
-

@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from orchard import __version__
 from orchard.agent.service import AgentService
+from orchard.agent.tokens import token_matches
 from orchard.errors import OrchardError
 from orchard.models import ExecRequest, FileUpload, PatchRequest, SandboxSpec
 from orchard.webapi import MAX_WAIT_SECONDS, ApiKeyMiddleware, model_response, validation_body
@@ -29,8 +30,19 @@ def create_app(service: AgentService, token: Optional[str]) -> FastAPI:
 
     app = FastAPI(title="Orchard exec agent", version=__version__, lifespan=lifespan)
 
+    def sandbox_scoped(path: str, given: str) -> bool:
+        """A per-sandbox token opens that sandbox's routes and the jobs run in it."""
+        assert token is not None
+        parts = path.split("/")
+        if len(parts) >= 3 and parts[1] == "sandboxes" and parts[2]:
+            return token_matches(given, token, parts[2])
+        if len(parts) >= 3 and parts[1] == "jobs":
+            record = service.jobs.get(parts[2])
+            return record is not None and token_matches(given, token, record.job.sandbox_id)
+        return False
+
     if token is not None:
-        app.add_middleware(ApiKeyMiddleware, token=token)
+        app.add_middleware(ApiKeyMiddleware, token=token, scoped=sandbox_scoped)
 
     @app.exception_handler(OrchardError)
     async def orchard_error(request: Request, exc: OrchardError) -> JSONResponse:

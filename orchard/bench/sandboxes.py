@@ -117,7 +117,7 @@ async def run(client: AsyncClient, sandboxes: int, commands: int, concurrency: i
     total_commands = len(exec_latency)
     return {
         "sandboxes": sandboxes, "commands_per_sandbox": commands, "concurrency": concurrency, "image": image,
-        "command": command, "mode": client.url or "in-process",
+        "command": command, "mode": (f"{client.url} (direct)" if client.direct else client.url) or "in-process",
         "succeeded": sandboxes - len({f.split(':')[0] for f in failures}), "failures": failures[:20],
         "wall_seconds": round(wall, 3),  # phase 1: all created, ready, and one command run in each
         "create_p50_ms": round(percentile(create_latency, 50) * ms, 2),

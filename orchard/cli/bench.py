@@ -27,18 +27,19 @@ def bench() -> None:
 @click.option("--latency-samples", type=int, default=200, show_default=True,
               help="sequential execs in one sandbox after the load, for idle p50/p99")
 @click.option("--output", type=click.Path(path_type=Path), default=None, help="write the JSON here")
+@click.option("--direct", is_flag=True, help="with --url: exec and files straight to the agents (the hot path)")
 @url_option
 @api_key_option
 @backend_option
 @handle_errors
 def sandboxes(sandboxes: int, commands: int, concurrency: int, command: str, image: str, latency_samples: int,
-              output: Optional[Path], url: Optional[str], api_key: Optional[str], backend: str) -> None:
+              output: Optional[Path], direct: bool, url: Optional[str], api_key: Optional[str], backend: str) -> None:
     """Create N sandboxes concurrently, run M commands in each, delete them."""
     from orchard.bench.sandboxes import run
     from orchard.client.aio import AsyncClient
 
     async def main() -> dict:
-        async with AsyncClient(url, api_key, backend=None if url else backend) as client:
+        async with AsyncClient(url, api_key, backend=None if url else backend, direct=direct) as client:
             return await run(client, sandboxes, commands, concurrency, command, image, latency_samples)
 
     result = asyncio.run(main())

@@ -13,7 +13,7 @@ import secrets
 from typing import Any, AsyncIterator, Optional, Union
 
 from orchard.backends.api import Backend
-from orchard.client.http import ApiClient
+from orchard.client.http import ApiClient, ScopedApi
 from orchard.errors import CommandFailed, ExecTimeout, InvalidRequest, SandboxLost
 from orchard.models import FileEntry, Job, PatchResult, Sandbox, SandboxSpec
 from orchard.plugins import collect
@@ -44,7 +44,7 @@ def _raise_for(job: Job) -> Job:
 class AsyncSandbox:
     """A handle on one sandbox. ``async with`` deletes it on the way out, whatever happens."""
 
-    def __init__(self, client: "AsyncClient", info: Sandbox, api: ApiClient) -> None:
+    def __init__(self, client: "AsyncClient", info: Sandbox, api: Union[ApiClient, ScopedApi]) -> None:
         self.client = client
         self.info = info
         self.api = api
@@ -164,8 +164,14 @@ class AsyncSandbox:
 class AsyncClient:
     def __init__(self, url: Optional[str] = None, api_key: Optional[str] = None, *,
                  backend: Union[str, Backend, None] = None, backend_settings: Optional[dict[str, Any]] = None,
-                 timeout: float = 60.0, retries: int = 5) -> None:
+                 timeout: float = 60.0, retries: int = 5, direct: bool = False,
+                 heartbeat_interval: float = 30.0) -> None:
+        """``direct=True`` (with a server ``url``): exec and file calls of sandboxes this
+        client creates go straight to their agent with a token for that sandbox alone, and
+        heartbeats are sent to the server in the background, since it no longer sees the calls."""
         self.url = url
+        self.direct = direct and url is not None
+        self.heartbeat_interval = heartbeat_interval
         self._timeout, self._retries = timeout, retries
         self._remote = ApiClient(url, api_key, timeout=timeout, retries=retries) if url else None
         if self._remote is None:
@@ -189,10 +195,12 @@ class AsyncClient:
         if self._remote is not None:
             return self._remote
         endpoint = await self.backend.endpoint(sandbox_id)
-        api = self._agents.get(endpoint.url)
+        return self._agent_at(endpoint.url, endpoint.token)
+
+    def _agent_at(self, url: str, token: Optional[str] = None) -> ApiClient:
+        api = self._agents.get(url)
         if api is None:
-            api = self._agents[endpoint.url] = ApiClient(endpoint.url, endpoint.token, timeout=self._timeout,
-                                                         retries=self._retries)
+            api = self._agents[url] = ApiClient(url, token, timeout=self._timeout, retries=self._retries)
         return api
 
     async def control_request(self, method: str, path: str, **kwargs: Any) -> Any:
@@ -210,6 +218,10 @@ class AsyncClient:
                                                         timeout=(model.timeout or 300) + HTTP_MARGIN))
         else:
             info = await self.backend.create(model)
+        if self.direct and info.agent_url and info.agent_token:
+            handle = AsyncSandbox(self, info, ScopedApi(self._agent_at(info.agent_url), info.agent_token))
+            handle.start_heartbeats(self.heartbeat_interval)
+            return handle
         return AsyncSandbox(self, info, await self._agent_for(info.sandbox_id))
 
     async def get(self, sandbox_id: str) -> AsyncSandbox:

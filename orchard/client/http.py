@@ -36,6 +36,21 @@ def _tls_context() -> ssl.SSLContext:
     return ssl.create_default_context()
 
 
+class ScopedApi:
+    """An ApiClient that sends its own key with every call (a per-sandbox agent token)."""
+
+    def __init__(self, api: "ApiClient", api_key: str) -> None:
+        self.api = api
+        self.headers = {"x-api-key": api_key}
+
+    async def request(self, method: str, path: str, **kwargs: Any) -> Any:
+        return await self.api.request(method, path, headers={**(kwargs.pop("headers", None) or {}), **self.headers},
+                                      **kwargs)
+
+    def stream(self, path: str, json_body: Any, timeout: Optional[float] = None) -> AsyncIterator[dict]:
+        return self.api.stream(path, json_body, timeout=timeout, headers=self.headers)
+
+
 class ApiClient:
     """Connections are spread over small pools used in turn: httpcore scans every queued
     request against every pooled connection, which at 64+ concurrent calls cost the client
@@ -80,7 +95,8 @@ class ApiClient:
         if content is not None:
             all_headers.append((b"content-length", str(len(content)).encode()))
         for key, value in (headers or {}).items():
-            all_headers.append((key.lower().encode(), str(value).encode()))
+            name = key.lower().encode()
+            all_headers = [h for h in all_headers if h[0] != name] + [(name, str(value).encode())]
         limit = timeout if timeout is not None else self.timeout
         extensions = {"timeout": {"connect": CONNECT_TIMEOUT, "read": limit, "write": limit, "pool": limit}}
         return url, all_headers, content, extensions
@@ -117,11 +133,12 @@ class ApiClient:
             body = content.decode(errors="replace")
         return error_from_body(status, body)
 
-    async def stream(self, path: str, json_body: Any, timeout: Optional[float] = None) -> AsyncIterator[dict]:
+    async def stream(self, path: str, json_body: Any, timeout: Optional[float] = None,
+                     headers: Optional[dict] = None) -> AsyncIterator[dict]:
         """POST and yield each NDJSON event as it arrives."""
-        url, headers, body, extensions = self._prepare(path, None, json_body, None, None, timeout)
+        url, all_headers, body, extensions = self._prepare(path, None, json_body, None, headers, timeout)
         try:
-            async with next(self._next).stream("POST", url, headers=headers, content=body,
+            async with next(self._next).stream("POST", url, headers=all_headers, content=body,
                                                extensions=extensions) as response:
                 if response.status >= 400:
                     raise self._error(response.status, await response.aread())

@@ -14,6 +14,7 @@ import secrets
 import time
 from typing import Any, AsyncIterator, Optional
 
+from orchard.agent.tokens import sandbox_token
 from orchard.backends.api import Backend
 from orchard.client.http import ApiClient
 from orchard.errors import (
@@ -130,10 +131,16 @@ class ServerService:
         finally:
             self._creating.pop(sandbox_id).set()
         self.metrics.create_seconds.observe(time.perf_counter() - start)
-        sandbox = created.model_copy(update={"labels": spec.labels, "backend": self.backend.name})
+        sandbox = created.model_copy(update={"labels": spec.labels, "backend": self.backend.name,
+                                             "agent_url": None, "agent_token": None})
         self.store.put_sandbox(SandboxRecord(spec, sandbox, time.time()))
         emit_event({"type": "ready", "sandbox_id": sandbox_id, "time": time.time()})
-        return sandbox
+        endpoint = await self.backend.endpoint(sandbox_id)
+        if endpoint.token is None:
+            return sandbox
+        # Only the creator hears of the direct path; GET never shows the token again.
+        return sandbox.model_copy(update={"agent_url": endpoint.url,
+                                          "agent_token": sandbox_token(endpoint.token, sandbox_id)})
 
     def get(self, sandbox_id: str) -> Sandbox:
         record = self.record(sandbox_id)

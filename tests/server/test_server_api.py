@@ -133,3 +133,50 @@ def test_openapi_in_docs_is_current():
 
     checked_in = Path(__file__).resolve().parents[2] / "docs" / "openapi.json"
     assert checked_in.read_text() == openapi_json(), "refresh it: python -m orchard.server.openapi > docs/openapi.json"
+
+
+def test_per_sandbox_agent_tokens_open_only_their_sandbox(server):
+    import httpx as _httpx
+
+    with server.http() as http:
+        mine = http.post("/sandboxes", json={}).json()
+        other = http.post("/sandboxes", json={}).json()
+        try:
+            assert mine["agent_url"].startswith("unix://") and mine["agent_token"].startswith("sbx.")
+            shown = http.get(f"/sandboxes/{mine['sandbox_id']}").json()
+            assert shown["agent_token"] is None and shown["agent_url"] is None  # never shown again
+            listed = http.get("/sandboxes").json()["sandboxes"]
+            assert all(s["agent_token"] is None for s in listed)
+            transport = _httpx.HTTPTransport(uds=mine["agent_url"].removeprefix("unix://"))
+            with _httpx.Client(transport=transport, base_url="http://agent",
+                               headers={"X-API-Key": mine["agent_token"]}) as agent:
+                job = agent.post(f"/sandboxes/{mine['sandbox_id']}/exec", json={"command": "echo direct", "wait": True})
+                assert job.json()["stdout"] == "direct\n"
+                queued = agent.post(f"/sandboxes/{mine['sandbox_id']}/exec", json={"command": "true"}).json()
+                assert agent.get(f"/jobs/{queued['job_id']}/wait").status_code == 200
+                other_job = http.post(f"/sandboxes/{other['sandbox_id']}/exec", json={"command": "true"}).json()
+                for method, path in [("POST", f"/sandboxes/{other['sandbox_id']}/exec"), ("GET", "/sandboxes"),
+                                     ("POST", "/sandboxes"), ("GET", f"/jobs/{other_job['job_id']}"),
+                                     ("GET", "/resources")]:
+                    response = agent.request(method, path, json={"command": "true"} if method == "POST" else None)
+                    assert response.status_code == 401, (method, path)
+        finally:
+            http.delete(f"/sandboxes/{mine['sandbox_id']}")
+            http.delete(f"/sandboxes/{other['sandbox_id']}")
+
+
+def test_sdk_direct_path_bypasses_the_server_for_exec(server):
+    from orchard.client import Client
+
+    with Client(server.url, API_KEY, direct=True, heartbeat_interval=0.5) as client, client.create() as sandbox:
+        with server.http() as http:
+            before = http.get("/metrics").text.count("\n")
+            log_before = server.log_path.read_text().count(f"/sandboxes/{sandbox.id}/exec")
+            for _ in range(5):
+                assert sandbox.exec("echo fast").stdout == "fast\n"
+            assert server.log_path.read_text().count(f"/sandboxes/{sandbox.id}/exec") == log_before
+            assert before > 0
+        import time as _time
+
+        _time.sleep(1.2)
+        assert f"/sandboxes/{sandbox.id}/heartbeat" in server.log_path.read_text()
