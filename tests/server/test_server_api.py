@@ -180,3 +180,17 @@ def test_sdk_direct_path_bypasses_the_server_for_exec(server):
 
         _time.sleep(1.2)
         assert f"/sandboxes/{sandbox.id}/heartbeat" in server.log_path.read_text()
+
+
+def test_cli_against_the_server(server):
+    env = {**__import__("os").environ, "ORCHARD_URL": server.url, "ORCHARD_API_KEY": API_KEY}
+
+    def orchard(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "orchard.cli", *args], capture_output=True, text=True, env=env,
+                              timeout=60)
+
+    sid = orchard("sandbox", "create").stdout.strip()
+    assert orchard("sandbox", "exec", sid, "echo from-cli").stdout == "from-cli\n"
+    assert sid in orchard("sandbox", "ls", "--json").stdout
+    assert orchard("sandbox", "rm", sid).returncode == 0
+    assert orchard("sandbox", "exec", sid, "true").returncode == 2
