@@ -86,21 +86,10 @@ class SandboxCgroup:
                     pass
         return found
 
-    def kill_job(self, job_dir: Path) -> None:
-        for _ in range(3):
-            pids = self.pids(job_dir)
-            if not pids:
-                return
-            for pid in pids:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-
-
-    def kill_all(self) -> None:
+    def kill_all(self, root: Optional[Path] = None) -> None:
+        """SIGKILL every process in the sandbox's groups (or under ``root`` only)."""
         for _ in range(3):  # a fork racing the kill is caught on the next pass
-            pids = self.pids()
+            pids = self.pids(root)
             if not pids:
                 return
             for pid in pids:

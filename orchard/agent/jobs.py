@@ -121,7 +121,7 @@ class JobRunner:
             if exit_code > 128 and sandbox.cgroup is not None and sandbox.cgroup.new_oom_kills():
                 job.error = "the out-of-memory killer ended a process: the sandbox hit its memory limit"
             if killed_for is not None and job_cgroup is not None and sandbox.cgroup is not None:
-                sandbox.cgroup.kill_job(job_cgroup)  # also what left the process group
+                sandbox.cgroup.kill_all(job_cgroup)  # also what left the process group
         finally:
             if stdin_fd >= 0:
                 os.close(stdin_fd)
