@@ -5,6 +5,7 @@ PIP := $(VENV)/bin/pip
 # Debian packages: bubblewrap (isolation), skopeo + umoci (docker:// images), docker-registry and
 # busybox-static (a real registry and images for tests), gcc + libc6-dev (the static orchard-enter helper).
 SYSTEM_PACKAGES := bubblewrap skopeo umoci docker-registry busybox-static gcc libc6-dev iproute2 git procps util-linux
+TORCH_VERSION := 2.13.0
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 .PHONY: quickstart test system-deps venv bench lint clean
@@ -27,7 +28,8 @@ venv: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml plugins/orchard-remote-agent/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q -e '.[test]' -e plugins/orchard-remote-agent
+	$(PIP) install -q torch==$(TORCH_VERSION)  # the CPU build on disk; an unpinned torch pulls a CUDA one
+	$(PIP) install -q -e '.[test,train]' -e plugins/orchard-remote-agent
 	touch $@
 
 bench: system-deps venv  ## the figures of docs/benchmarks.md

@@ -1,0 +1,1 @@
+"""Training recipes: GRPO objective, BAR sampling, credit-assignment SFT (torch)."""
