@@ -82,3 +82,33 @@ def noisy(quiet: int, flood_mb: int, upload_mb: int, rounds: int, output: Option
 
     _report(asyncio.run(main()), f"orchard bench noisy --quiet {quiet} --flood-mb {flood_mb} --upload-mb {upload_mb} "
             f"--rounds {rounds}", output)
+
+
+@bench.command("bar")
+@click.option("--seeds", type=int, default=5, show_default=True)
+@click.option("--output", type=click.Path(path_type=Path), default=None, help="write the JSON here")
+@click.option("--plot", "plot_path", type=click.Path(path_type=Path), default=None, help="write a PNG here")
+@handle_errors
+def bar(seeds: int, output: Optional[Path], plot_path: Optional[Path]) -> None:
+    """Simulated RL steps: fixed-G, DAPO dynamic sampling, static and adaptive BAR."""
+    from orchard.bench.bar import plot, run
+
+    result = run(seeds)
+    table = Table("method", "rollouts / informative group", "informative share", "fallback rate", "group balance",
+                  "rollouts / step", title=f"orchard bench bar --seeds {seeds}")
+
+    def cell(value: Optional[dict], digits: int = 3) -> str:
+        return "-" if value is None else f"{value['mean']:.{digits}f} ± {value['std']:.{digits}f}"
+
+    for method, s in result["summary"].items():
+        table.add_row(method, cell(s["rollouts_per_informative_group"], 2), cell(s["informative_share"]),
+                      cell(s["fallback_rate"]), cell(s["group_balance"]), cell(s["rollouts_per_step"], 1))
+    out.print(table)
+    for name, value in result["ratios"].items():
+        out.print(f"{name}: {value:.3f}")
+    for name, met in result["targets"].items():
+        out.print(f"target {name}: {'[green]met[/green]' if met else '[red]missed[/red]'}")
+    if output:
+        output.write_text(json.dumps(result, indent=2))
+    if plot_path:
+        plot(result, str(plot_path))

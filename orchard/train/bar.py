@@ -10,11 +10,12 @@ is relaxed to [0, 1]; if even that fails (fewer than G valid samples), the group
 best ordering of what exists: completed < truncated < timed out < aborted. Aborted,
 timed-out and reward-less samples never count as positives or negatives.
 
-Beyond the original, :class:`AdaptiveBand` moves the band's edges toward what a prompt
-can reach, from sliding windows of recent success rates (per prompt, else global): a
-static band keeps hitting the fallback when success is rare early in training and common
-late. It never widens to groups without both a success and a failure, and its state goes
-into the trainer's checkpoint.
+Beyond the original, :class:`AdaptiveBand` plans each prompt from sliding windows of
+recent success rates (per prompt, else global): a static band keeps hitting the fallback
+when success is rare early in training and common late. Once the budget is spent it
+widens the band only as far as the prompt can reach (never to groups without both a
+success and a failure). While the budget lasts the static band rules, so groups are as
+balanced as the static band's. Its state goes into the trainer's checkpoint.
 """
 
 from __future__ import annotations
@@ -130,8 +131,12 @@ def fallback_group(pool: list[Rollout], group_size: int) -> list[Rollout]:
 Generate = Callable[[int], Awaitable[list[Rollout]]]
 
 
-async def bar_sample(generate: Generate, config: BARConfig, band: Optional[Band] = None) -> Selection:
-    """Run BAR for one prompt: ``generate(n)`` returns n new rollouts (run them concurrently)."""
+async def bar_sample(generate: Generate, config: BARConfig, band: Optional[Band] = None,
+                     last_resort: Optional[Band] = None) -> Selection:
+    """Run BAR for one prompt: ``generate(n)`` returns n new rollouts (run them concurrently).
+
+    ``last_resort`` (from :class:`AdaptiveBand`) is a wider band tried once the budget is
+    spent, before the relaxed fallback."""
     band = band or config.band
     pool: list[Rollout] = []
     strides = math.ceil(config.max_rollouts / config.stride)
@@ -142,6 +147,10 @@ async def bar_sample(generate: Generate, config: BARConfig, band: Optional[Band]
         group = select_group(pool, config.group_size, band)
         if group is not None:
             return Selection(group, len(pool), index, None, band, pool)
+    if last_resort is not None:
+        group = select_group(pool, config.group_size, last_resort)
+        if group is not None:
+            return Selection(group, len(pool), None, None, last_resort, pool)
     group = select_group(pool, config.group_size, Band(0.0, 1.0))
     if group is not None:
         return Selection(group, len(pool), None, "relaxed", band, pool)
@@ -149,14 +158,13 @@ async def bar_sample(generate: Generate, config: BARConfig, band: Optional[Band]
 
 
 class AdaptiveBand:
-    """Moves each prompt's band toward what it can reach within the budget.
+    """Per-prompt last-resort bands from recent success rates.
 
     Success rates p are remembered per prompt (the last ``prompt_window`` steps) and
-    globally (the last ``global_window`` prompts). For a prompt with estimate p, about
-    ``p * max_rollouts`` positives can be expected; if the static band asks for more than
-    ``reach`` times that, its lower edge comes down to what can be had, and symmetrically
-    for negatives at the upper edge. Edges never pass 1/G and (G-1)/G, so a group always
-    holds a success and a failure; the preferred count stays the static band's middle.
+    globally (the last ``global_window`` prompts). With estimate p, about
+    ``reach * p * max_rollouts`` positives can be counted on; the last-resort band reaches
+    down (or up) to that, never past 1/G and (G-1)/G, so a group always holds a success
+    and a failure.
     """
 
     def __init__(self, base: Band, config: BARConfig, global_window: int = 64, prompt_window: int = 4,
@@ -178,16 +186,22 @@ class AdaptiveBand:
         return None
 
     def band_for(self, prompt: str) -> Band:
+        """The last-resort band for this prompt (the static band while nothing is known)."""
         p = self.estimate(prompt)
         if p is None:
             return self.base
         g, budget = self.config.group_size, self.config.max_rollouts
-        floor_edge, ceil_edge = 1 / g, (g - 1) / g
         reachable_pos = max(1, math.floor(self.reach * p * budget)) / g
         reachable_neg = max(1, math.floor(self.reach * (1 - p) * budget)) / g
-        low = max(floor_edge, min(self.base.rho_min, reachable_pos))
-        high = min(ceil_edge, max(self.base.rho_max, 1 - reachable_neg))
+        low = max(1 / g, min(self.base.rho_min, reachable_pos))
+        high = min((g - 1) / g, max(self.base.rho_max, 1 - reachable_neg))
         return Band(min(low, self.base.rho_min), max(high, self.base.rho_max))
+
+    async def sample(self, prompt: str, generate: Generate) -> Selection:
+        """BAR for one prompt under this plan; the outcome updates the windows."""
+        selection = await bar_sample(generate, self.config, self.base, self.band_for(prompt))
+        self.observe(prompt, selection)
+        return selection
 
     def observe(self, prompt: str, selection: Selection) -> None:
         valid = [r for r in selection.pool if r.valid]

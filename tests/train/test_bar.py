@@ -129,3 +129,17 @@ def test_adaptive_band_state_round_trips():
     restored.load_state_dict(adaptive.state_dict())
     assert restored.band_for("a") == adaptive.band_for("a") and restored.estimate("b") == adaptive.estimate("b")
     assert math.isclose(restored.estimate("a"), 3 / 8)  # BAR stopped after the first stride: 3 of 8
+
+
+def test_adaptive_sampling_keeps_the_static_band_while_the_budget_lasts():
+    config = BARConfig(group_size=8, max_rollouts=32, stride=8, band=Band(0.25, 0.75))
+    adaptive = AdaptiveBand(config.band, config)
+    first = asyncio.run(adaptive.sample("p", scripted(rollouts(*([POS] + [NEG] * 31)))[0]))
+    assert first.fallback == "relaxed"  # nothing known yet: static BAR
+    # Known to be hard now: 1 success early, 2 more later. The static band is met at stride 3,
+    # not settled for at stride 1, so balance is what static BAR would get.
+    stream = rollouts(*([POS] + [NEG] * 15 + [POS] + [NEG] * 15))
+    second = asyncio.run(adaptive.sample("p", scripted(stream)[0]))
+    assert second.stride_found == 3 and second.positives == 2
+    third = asyncio.run(adaptive.sample("p", scripted(rollouts(*([POS] + [NEG] * 31)))[0]))
+    assert third.fallback is None and third.positives == 1 and third.band.rho_min == pytest.approx(1 / 8)
