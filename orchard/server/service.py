@@ -222,7 +222,7 @@ class ServerService:
         return answer
 
     async def stream(self, sandbox_id: str, request: ExecRequest) -> AsyncIterator[dict]:
-        record = self.usable(sandbox_id)
+        self.usable(sandbox_id)
         body = request.model_dump(mode="json")
         body["job_id"] = body.get("job_id") or f"job-{secrets.token_hex(8)}"
         api = await self.agent(sandbox_id)
@@ -232,7 +232,6 @@ class ServerService:
                 if event.get("type") == "exit":
                     self.store.put_job(Job(**event["job"]))
                 yield event
-        del record
 
     async def job(self, job_id: str, wait: Optional[float] = None) -> Job:
         """A job from the store, brought up to date from its agent while it is not done."""
