@@ -1,25 +1,23 @@
-"""The exec agent's HTTP app: the sandbox-scoped routes of the Orchard Env API.
-
-Each route delegates to :class:`AgentService` in a line or two; errors become the
-one error body shape, and the SDK turns them back into the same exception types.
+"""The exec agent's HTTP app: the Orchard Env routes (:mod:`orchard.routes`, shared with
+the server) over :class:`AgentService`, plus health and per-sandbox token auth. Errors
+become the one error body shape; the SDK turns them back into the same exception types.
 """
 
 from __future__ import annotations
 
-import json
 from contextlib import asynccontextmanager
 from typing import AsyncIterator, Optional
 
-from fastapi import FastAPI, Header, Query, Request
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse
 
 from orchard import __version__
 from orchard.agent.service import AgentService
 from orchard.agent.tokens import token_matches
 from orchard.errors import OrchardError
-from orchard.models import ExecRequest, FileUpload, PatchRequest, SandboxSpec
-from orchard.webapi import MAX_WAIT_SECONDS, ApiKeyMiddleware, model_response, validation_body
+from orchard.routes import add_sandbox_routes
+from orchard.webapi import ApiKeyMiddleware, validation_body
 
 def create_app(service: AgentService, token: Optional[str]) -> FastAPI:
     @asynccontextmanager
@@ -60,86 +58,5 @@ def create_app(service: AgentService, token: Optional[str]) -> FastAPI:
     async def health() -> dict:
         return {"status": "ok", "runtime": service.settings.runtime, "sandboxes": len(service.sandboxes)}
 
-    @app.get("/resources")
-    async def resources() -> dict:
-        return service.resources()
-
-    @app.post("/sandboxes")
-    async def create_sandbox(spec: SandboxSpec) -> Response:
-        return model_response(await service.create(spec))
-
-    @app.get("/sandboxes")
-    async def list_sandboxes() -> Response:
-        return model_response({"sandboxes": [s.model_dump() for s in service.list()]})
-
-    @app.get("/sandboxes/{sandbox_id}")
-    async def get_sandbox(sandbox_id: str) -> Response:
-        return model_response(service.get(sandbox_id))
-
-    @app.get("/sandboxes/{sandbox_id}/wait")
-    async def wait_sandbox(sandbox_id: str, timeout: float = Query(30.0, ge=0, le=MAX_WAIT_SECONDS)) -> Response:
-        return model_response(await service.wait(sandbox_id, timeout))
-
-    @app.delete("/sandboxes/{sandbox_id}")
-    async def delete_sandbox(sandbox_id: str) -> dict:
-        await service.delete(sandbox_id)
-        return {"sandbox_id": sandbox_id, "deleted": True}
-
-    @app.post("/sandboxes/{sandbox_id}/heartbeat")
-    async def heartbeat(sandbox_id: str) -> Response:
-        return model_response(service.heartbeat(sandbox_id))
-
-    @app.post("/sandboxes/{sandbox_id}/exec")
-    async def exec_command(sandbox_id: str, body: ExecRequest,
-                           idempotency_key: Optional[str] = Header(None)) -> Response:
-        return model_response(await service.exec(sandbox_id, body, idempotency_key))
-
-    @app.post("/sandboxes/{sandbox_id}/exec/stream")
-    async def exec_stream(sandbox_id: str, body: ExecRequest,
-                          idempotency_key: Optional[str] = Header(None)) -> StreamingResponse:
-        events = service.stream(sandbox_id, body, idempotency_key)
-
-        async def ndjson() -> AsyncIterator[bytes]:
-            async for event in events:
-                yield (json.dumps(event) + "\n").encode()
-
-        return StreamingResponse(ndjson(), media_type="application/x-ndjson")
-
-    @app.post("/sandboxes/{sandbox_id}/apply_patch")
-    async def apply_patch(sandbox_id: str, body: PatchRequest) -> Response:
-        return model_response(await service.apply_patch(sandbox_id, body))
-
-    @app.post("/sandboxes/{sandbox_id}/files")
-    async def upload_file(sandbox_id: str, body: FileUpload) -> Response:
-        return model_response(service.upload(sandbox_id, body))
-
-    @app.get("/sandboxes/{sandbox_id}/files")
-    async def download_file(sandbox_id: str, path: str = Query(..., min_length=1)) -> Response:
-        return model_response(service.download(sandbox_id, path))
-
-    @app.put("/sandboxes/{sandbox_id}/files/raw")
-    async def upload_raw(sandbox_id: str, request: Request, path: str = Query(..., min_length=1),
-                         mode: Optional[int] = Query(None, ge=0, le=0o7777)) -> Response:
-        """Our addition: upload the request body as is (large files, no base64)."""
-        return model_response(await service.upload_stream(sandbox_id, path, request.stream(), mode))
-
-    @app.get("/sandboxes/{sandbox_id}/files/raw")
-    async def download_raw(sandbox_id: str, path: str = Query(..., min_length=1)) -> StreamingResponse:
-        """Our addition: stream a file's bytes (large files, no base64)."""
-        size, chunks = service.download_stream(sandbox_id, path)
-        return StreamingResponse(chunks, media_type="application/octet-stream",
-                                 headers={"Content-Length": str(size)})
-
-    @app.get("/sandboxes/{sandbox_id}/files/list")
-    async def list_files(sandbox_id: str, path: str = Query(".", min_length=1)) -> Response:
-        return model_response(service.list_files(sandbox_id, path))
-
-    @app.get("/jobs/{job_id}")
-    async def get_job(job_id: str) -> Response:
-        return model_response(service.job(job_id))
-
-    @app.get("/jobs/{job_id}/wait")
-    async def wait_job(job_id: str, timeout: float = Query(30.0, ge=0, le=MAX_WAIT_SECONDS)) -> Response:
-        return model_response(await service.wait_job(job_id, timeout))
-
+    add_sandbox_routes(app, service)
     return app

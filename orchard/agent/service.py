@@ -222,8 +222,10 @@ class AgentService:
     def get(self, sandbox_id: str) -> Sandbox:
         return self._get(sandbox_id).to_model()
 
-    def list(self) -> list[Sandbox]:
-        return [sandbox.to_model() for sandbox in self.sandboxes.values()]
+    def list(self, status: Optional[str] = None, labels: Optional[dict[str, str]] = None) -> list[Sandbox]:
+        found = [sandbox.to_model() for sandbox in self.sandboxes.values()]
+        return [s for s in found if (status is None or s.status == status)
+                and all(s.labels.get(k) == v for k, v in (labels or {}).items())]
 
     async def delete(self, sandbox_id: str) -> None:
         sandbox = self._get(sandbox_id)
@@ -320,8 +322,8 @@ class AgentService:
         data = files.read(path)
         return FileContent(path=files._absolute(path), content=base64.b64encode(data).decode(), size=len(data))
 
-    async def upload_stream(self, sandbox_id: str, path: str, chunks: AsyncIterator[bytes],
-                            mode: Optional[int] = None) -> FileUploaded:
+    async def upload_raw(self, sandbox_id: str, path: str, chunks: AsyncIterator[bytes],
+                         mode: Optional[int] = None) -> FileUploaded:
         """Write a file from a byte stream (no JSON, no base64; the loop stays free)."""
         files = self._files(self._ready(sandbox_id))
         fd = files.open_write(path, mode)
@@ -334,7 +336,7 @@ class AgentService:
             os.close(fd)
         return FileUploaded(path=files._absolute(path), size=size)
 
-    def download_stream(self, sandbox_id: str, path: str) -> tuple[int, AsyncIterator[bytes]]:
+    def download_raw(self, sandbox_id: str, path: str) -> tuple[int, AsyncIterator[bytes]]:
         """(size, chunks) of a file, read lazily."""
         fd, size = self._files(self._ready(sandbox_id)).open_read(path)
 

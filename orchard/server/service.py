@@ -21,7 +21,7 @@ from orchard.errors import (
     AgentUnreachable, JobNotFound, OrchardError, SandboxConflict, SandboxLost, SandboxNotFound, SandboxNotReady,
     WaitTimeout,
 )
-from orchard.models import ExecRequest, Job, QueuedJob, Sandbox, SandboxSpec
+from orchard.models import ExecRequest, FileUpload, Job, PatchRequest, QueuedJob, Sandbox, SandboxSpec
 from orchard.plugins import emit_event
 from orchard.server.config import ServerConfig
 from orchard.server.observability import Metrics
@@ -156,6 +156,9 @@ class ServerService:
                 raise WaitTimeout(f"sandbox {sandbox_id!r} not ready after {timeout:g}s") from None
         return self.get(sandbox_id)
 
+    def heartbeat(self, sandbox_id: str) -> Sandbox:
+        return self.get(sandbox_id)
+
     def list(self, status: Optional[str] = None, labels: Optional[dict[str, str]] = None) -> list[Sandbox]:
         found = [r.sandbox for r in self.store.list_sandboxes()]
         if status:
@@ -221,10 +224,11 @@ class ServerService:
             self.store.put_job_json(sandbox_id, answer)
         return answer
 
-    async def stream(self, sandbox_id: str, request: ExecRequest) -> AsyncIterator[dict]:
+    async def stream(self, sandbox_id: str, request: ExecRequest,
+                     idempotency_key: Optional[str] = None) -> AsyncIterator[dict]:
         self.usable(sandbox_id)
         body = request.model_dump(mode="json")
-        body["job_id"] = body.get("job_id") or f"job-{secrets.token_hex(8)}"
+        body["job_id"] = body.get("job_id") or idempotency_key or f"job-{secrets.token_hex(8)}"
         api = await self.agent(sandbox_id)
         async with self.exec_slots:
             async for event in api.stream(f"/sandboxes/{sandbox_id}/exec/stream", body,
@@ -232,6 +236,9 @@ class ServerService:
                 if event.get("type") == "exit":
                     self.store.put_job(Job(**event["job"]))
                 yield event
+
+    async def wait_job(self, job_id: str, timeout: float) -> Job:
+        return await self.job(job_id, wait=timeout)
 
     async def job(self, job_id: str, wait: Optional[float] = None) -> Job:
         """A job from the store, brought up to date from its agent while it is not done."""
@@ -257,9 +264,36 @@ class ServerService:
         return fresh
 
     # -- files ---------------------------------------------------------------------
-    async def files(self, sandbox_id: str, method: str, suffix: str, **kwargs: Any) -> Any:
+    async def _files(self, sandbox_id: str, method: str, suffix: str, **kwargs: Any) -> Any:
         record = self.usable(sandbox_id)
         return await self.forward(record, method, f"/sandboxes/{sandbox_id}/{suffix}", **kwargs)
+
+    async def apply_patch(self, sandbox_id: str, patch: PatchRequest) -> dict:
+        return await self._files(sandbox_id, "POST", "apply_patch", json_body=patch.model_dump(),
+                                 timeout=(patch.timeout_seconds or 60) + 30)
+
+    async def upload(self, sandbox_id: str, upload: FileUpload) -> dict:
+        return await self._files(sandbox_id, "POST", "files", json_body=upload.model_dump())
+
+    async def download(self, sandbox_id: str, path: str) -> dict:
+        return await self._files(sandbox_id, "GET", "files", params={"path": path})
+
+    async def list_files(self, sandbox_id: str, path: str) -> dict:
+        return await self._files(sandbox_id, "GET", "files/list", params={"path": path})
+
+    async def upload_raw(self, sandbox_id: str, path: str, chunks: AsyncIterator[bytes], mode: Optional[int]) -> dict:
+        data = b"".join([chunk async for chunk in chunks])
+        return await self._files(sandbox_id, "PUT", "files/raw", params={"path": path, "mode": mode}, content=data,
+                                 timeout=600)
+
+    async def download_raw(self, sandbox_id: str, path: str) -> tuple[int, AsyncIterator[bytes]]:
+        data = await self._files(sandbox_id, "GET", "files/raw", params={"path": path}, raw_response=True,
+                                 timeout=600)
+
+        async def chunks() -> AsyncIterator[bytes]:
+            yield data
+
+        return len(data), chunks()
 
     async def resources(self) -> dict[str, Any]:
         counts: dict[str, int] = {}

@@ -1,0 +1,132 @@
+"""The Orchard Env routes, declared once: the agent and the server serve the same API.
+
+Each serves it over an object with the methods of :class:`SandboxOperations` (results may
+be plain values or awaitables); the apps add only what is theirs (health, metrics, auth).
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+from typing import Any, AsyncIterator, Optional, Protocol
+
+from fastapi import FastAPI, Header, Query, Request
+from fastapi.responses import Response, StreamingResponse
+
+from orchard.models import ExecRequest, FileUpload, PatchRequest, SandboxSpec
+from orchard.webapi import MAX_WAIT_SECONDS, model_response
+
+
+class SandboxOperations(Protocol):
+    """What a service implements to serve the Orchard Env API (agent or server)."""
+
+    def resources(self) -> Any: ...
+    def create(self, spec: SandboxSpec) -> Any: ...
+    def list(self, status: Optional[str], labels: dict[str, str]) -> Any: ...
+    def get(self, sandbox_id: str) -> Any: ...
+    def wait(self, sandbox_id: str, timeout: float) -> Any: ...
+    def delete(self, sandbox_id: str) -> Any: ...
+    def heartbeat(self, sandbox_id: str) -> Any: ...
+    def exec(self, sandbox_id: str, request: ExecRequest, idempotency_key: Optional[str]) -> Any: ...
+    def stream(self, sandbox_id: str, request: ExecRequest, idempotency_key: Optional[str]) -> AsyncIterator[dict]: ...
+    def job(self, job_id: str) -> Any: ...
+    def wait_job(self, job_id: str, timeout: float) -> Any: ...
+    def apply_patch(self, sandbox_id: str, patch: PatchRequest) -> Any: ...
+    def upload(self, sandbox_id: str, upload: FileUpload) -> Any: ...
+    def download(self, sandbox_id: str, path: str) -> Any: ...
+    def list_files(self, sandbox_id: str, path: str) -> Any: ...
+    def upload_raw(self, sandbox_id: str, path: str, chunks: AsyncIterator[bytes], mode: Optional[int]) -> Any: ...
+    def download_raw(self, sandbox_id: str, path: str) -> Any:
+        """(size or None, an async iterator of the file's bytes)."""
+
+
+async def _value(result: Any) -> Any:
+    return await result if inspect.isawaitable(result) else result
+
+
+def add_sandbox_routes(app: FastAPI, ops: SandboxOperations) -> None:
+    @app.get("/resources")
+    async def resources() -> Response:
+        return model_response(await _value(ops.resources()))
+
+    @app.post("/sandboxes")
+    async def create_sandbox(spec: SandboxSpec) -> Response:
+        return model_response(await _value(ops.create(spec)))
+
+    @app.get("/sandboxes")
+    async def list_sandboxes(status: Optional[str] = None,
+                             label: list[str] = Query(default_factory=list, description="key=value, repeatable")) -> Response:
+        labels = dict(item.split("=", 1) for item in label if "=" in item)
+        found = await _value(ops.list(status, labels))
+        return model_response({"sandboxes": [s.model_dump() for s in found]})
+
+    @app.get("/sandboxes/{sandbox_id}")
+    async def get_sandbox(sandbox_id: str) -> Response:
+        return model_response(await _value(ops.get(sandbox_id)))
+
+    @app.get("/sandboxes/{sandbox_id}/wait")
+    async def wait_sandbox(sandbox_id: str, timeout: float = Query(30.0, ge=0, le=MAX_WAIT_SECONDS)) -> Response:
+        return model_response(await _value(ops.wait(sandbox_id, timeout)))
+
+    @app.delete("/sandboxes/{sandbox_id}")
+    async def delete_sandbox(sandbox_id: str) -> dict:
+        await _value(ops.delete(sandbox_id))
+        return {"sandbox_id": sandbox_id, "deleted": True}
+
+    @app.post("/sandboxes/{sandbox_id}/heartbeat")
+    async def heartbeat(sandbox_id: str) -> Response:
+        return model_response(await _value(ops.heartbeat(sandbox_id)))
+
+    @app.post("/sandboxes/{sandbox_id}/exec")
+    async def exec_command(sandbox_id: str, body: ExecRequest,
+                           idempotency_key: Optional[str] = Header(None)) -> Response:
+        return model_response(await _value(ops.exec(sandbox_id, body, idempotency_key)))
+
+    @app.post("/sandboxes/{sandbox_id}/exec/stream")
+    async def exec_stream(sandbox_id: str, body: ExecRequest,
+                          idempotency_key: Optional[str] = Header(None)) -> StreamingResponse:
+        """Our addition: NDJSON events, ``{"type": "stdout"|"stderr", "data"}`` then ``{"type": "exit", "job"}``."""
+        events = ops.stream(sandbox_id, body, idempotency_key)
+
+        async def ndjson() -> AsyncIterator[bytes]:
+            async for event in events:
+                yield (json.dumps(event) + "\n").encode()
+
+        return StreamingResponse(ndjson(), media_type="application/x-ndjson")
+
+    @app.post("/sandboxes/{sandbox_id}/apply_patch")
+    async def apply_patch(sandbox_id: str, body: PatchRequest) -> Response:
+        return model_response(await _value(ops.apply_patch(sandbox_id, body)))
+
+    @app.post("/sandboxes/{sandbox_id}/files")
+    async def upload_file(sandbox_id: str, body: FileUpload) -> Response:
+        return model_response(await _value(ops.upload(sandbox_id, body)))
+
+    @app.get("/sandboxes/{sandbox_id}/files")
+    async def download_file(sandbox_id: str, path: str = Query(..., min_length=1)) -> Response:
+        return model_response(await _value(ops.download(sandbox_id, path)))
+
+    @app.get("/sandboxes/{sandbox_id}/files/list")
+    async def list_files(sandbox_id: str, path: str = Query(".", min_length=1)) -> Response:
+        return model_response(await _value(ops.list_files(sandbox_id, path)))
+
+    @app.put("/sandboxes/{sandbox_id}/files/raw")
+    async def upload_raw(sandbox_id: str, request: Request, path: str = Query(..., min_length=1),
+                         mode: Optional[int] = Query(None, ge=0, le=0o7777)) -> Response:
+        """Our addition: upload the request body as is (large files, no base64)."""
+        return model_response(await _value(ops.upload_raw(sandbox_id, path, request.stream(), mode)))
+
+    @app.get("/sandboxes/{sandbox_id}/files/raw")
+    async def download_raw(sandbox_id: str, path: str = Query(..., min_length=1)) -> StreamingResponse:
+        """Our addition: a file's bytes (large files, no base64)."""
+        size, chunks = await _value(ops.download_raw(sandbox_id, path))
+        headers = {"Content-Length": str(size)} if size is not None else None
+        return StreamingResponse(chunks, media_type="application/octet-stream", headers=headers)
+
+    @app.get("/jobs/{job_id}")
+    async def get_job(job_id: str) -> Response:
+        return model_response(await _value(ops.job(job_id)))
+
+    @app.get("/jobs/{job_id}/wait")
+    async def wait_job(job_id: str, timeout: float = Query(30.0, ge=0, le=MAX_WAIT_SECONDS)) -> Response:
+        return model_response(await _value(ops.wait_job(job_id, timeout)))
