@@ -8,8 +8,8 @@
  *
  *   --cgroup FILE  write our pid into FILE (a cgroup.procs) before anything else,
  *                  so every process the command starts is accounted and limited;
- *   --target PID   join all namespaces of PID (its user namespace last: bwrap may
- *                  nest it below the one owning the others), chroot into its root,
+ *   --target PID   join all namespaces of PID (the owner of its user namespace first,
+ *                  its own user namespace last), chroot into its root,
  *                  chdir to --cwd, drop the bounding set and all capabilities, set
  *                  no_new_privs, then fork so the child lands in the PID namespace;
  *                  the parent waits and exits with the child's status;
@@ -29,7 +29,10 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <linux/nsfs.h>
+#include <sys/ioctl.h>
 #include <sys/prctl.h>
+#include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -57,6 +60,16 @@ static int open_ns(const char *pid, const char *name) {
     int fd = open(path, O_RDONLY | O_CLOEXEC);
     if (fd < 0) die("open", path);
     return fd;
+}
+
+static struct stat current_user_ns; /* tracked by hand: /proc changes under us with the mount ns */
+
+static void enter_user_ns(int fd, const char *what) {
+    struct stat ns;
+    if (fstat(fd, &ns) < 0) die("stat", what);
+    if (ns.st_ino == current_user_ns.st_ino && ns.st_dev == current_user_ns.st_dev) return; /* already there */
+    if (setns(fd, CLONE_NEWUSER) < 0) die("setns", what);
+    current_user_ns = ns;
 }
 
 static void drop_all_capabilities(void) {
@@ -130,14 +143,39 @@ int main(int argc, char **argv) {
     for (int c = 0; c < n_cgroups; c++) join_cgroup(cgroups[c]);
 
     if (target) {
-        static const char *names[] = {"ns/ipc", "ns/uts", "ns/net", "ns/pid", "ns/cgroup", "ns/mnt", "ns/user"};
-        int fds[7];
-        for (int k = 0; k < 7; k++) fds[k] = open_ns(target, names[k]);
+        /* bwrap may nest the holder's user namespace inside the one that owns the other
+           namespaces: join that owner first (it is ours, so we get its capabilities, even
+           without root), then the others, then the holder's own user namespace. */
+        static const char *names[] = {"ns/ipc", "ns/uts", "ns/net", "ns/pid", "ns/cgroup", "ns/mnt"};
+        if (stat("/proc/self/ns/user", &current_user_ns) < 0) die("stat", "/proc/self/ns/user");
+        int user_fd = open_ns(target, "ns/user");
+        int owner_fd = ioctl(user_fd, NS_GET_PARENT);
+        if (owner_fd >= 0) {
+            enter_user_ns(owner_fd, "user namespace owner");
+            close(owner_fd);
+        }
+        int fds[6];
+        for (int k = 0; k < 6; k++) {
+            /* A namespace the sandbox shares with us (the host network, when it has one)
+               is not joined: it may belong to a user namespace we hold no rights in. */
+            char mine_path[64];
+            struct stat theirs, mine;
+            snprintf(mine_path, sizeof mine_path, "/proc/self/%s", names[k]);
+            fds[k] = open_ns(target, names[k]);
+            if (fstat(fds[k], &theirs) == 0 && stat(mine_path, &mine) == 0 &&
+                theirs.st_ino == mine.st_ino && theirs.st_dev == mine.st_dev) {
+                close(fds[k]);
+                fds[k] = -1;
+            }
+        }
         int root = open_ns(target, "root");
-        for (int k = 0; k < 7; k++) {
+        for (int k = 0; k < 6; k++) {
+            if (fds[k] < 0) continue;
             if (setns(fds[k], 0) < 0) die("setns", names[k]);
             close(fds[k]);
         }
+        enter_user_ns(user_fd, "ns/user");
+        close(user_fd);
         if (fchdir(root) < 0 || chroot(".") < 0) die("chroot", NULL);
         close(root);
         if (chdir(cwd ? cwd : "/") < 0) die("chdir", cwd ? cwd : "/");
