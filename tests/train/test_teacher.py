@@ -1,0 +1,95 @@
+"""The LLM teacher against a real HTTP server on loopback that speaks the OpenAI chat API
+(a scripted stand-in for vLLM/SGLang: no model can be downloaded here)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from orchard.train.credit import Step, Trajectory
+from orchard.train.teacher import LLMTeacher, TeacherError, parse_values, render_prompt
+
+
+class ScriptedChatServer:
+    """Answers /v1/chat/completions with the scripted contents in turn; records prompts."""
+
+    def __init__(self, answers: list[str]) -> None:
+        self.answers, self.prompts = list(answers), []
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                server.prompts.append(body["messages"][-1]["content"])
+                content = server.answers.pop(0) if server.answers else "{}"
+                payload = json.dumps({"choices": [{"message": {"role": "assistant", "content": content}}]}).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(payload)))
+                self.end_headers()
+                self.wfile.write(payload)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+TRAJ = Trajectory("t9", "make the test pass", [Step("ls", "a.py"), Step("edit a.py", "ok")], resolved=False)
+
+
+def ask(server, retries=2, cache_path=None, with_outcome=True):
+    async def run():
+        teacher = LLMTeacher(server.url, "judge", retries=retries, cache_path=cache_path)
+        try:
+            first = await teacher.values(TRAJ, with_outcome)
+            again = await teacher.values(TRAJ, with_outcome)
+            return first, again, teacher.calls
+        finally:
+            await teacher.close()
+    return asyncio.run(run())
+
+
+def test_malformed_answers_are_retried_then_parsed_and_cached(tmp_path):
+    server = ScriptedChatServer(["I think it is likely.", '{"values": [0.1, 0.5]}',
+                                 'Sure: ```json\n{"values": [0.1, 0.4, 0.2]}\n```'])
+    try:
+        first, again, calls = ask(server, cache_path=tmp_path / "cache.json")
+        assert first == again == [0.1, 0.4, 0.2]
+        assert calls == 3  # two malformed answers, one good; the second call came from the cache
+        assert "NOT resolve" in server.prompts[0] and "[2] action: edit a.py" in server.prompts[0]
+    finally:
+        server.close()
+    assert json.loads((tmp_path / "cache.json").read_text())
+
+
+def test_persistent_failure_is_reported_never_zero():
+    server = ScriptedChatServer(['{"values": [0.1, 2.0, 0.3]}'] * 3)
+    try:
+        with pytest.raises(TeacherError, match="between 0 and 1"):
+            ask(server, retries=2)
+    finally:
+        server.close()
+
+
+def test_forecasts_do_not_see_the_outcome():
+    assert "RESOLVED" not in render_prompt(TRAJ, with_outcome=False)
+    assert "resolve the task" not in render_prompt(TRAJ, with_outcome=False)
+    assert "did NOT resolve" in render_prompt(TRAJ, with_outcome=True)
+
+
+@pytest.mark.parametrize("answer,problem", [("nothing", "no JSON"), ('{"values": "high"}', "expected"),
+                                            ('{"values": [0.1, true, 0.2]}', "between"), ("{bad json}", "invalid JSON")])
+def test_strict_parsing(answer, problem):
+    with pytest.raises(ValueError, match=problem):
+        parse_values(answer, 3)
