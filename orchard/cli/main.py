@@ -9,6 +9,7 @@ from orchard import __version__
 from orchard.cli.common import handle_errors, json_option, out, print_json
 from orchard.cli.agent import agent
 from orchard.cli.bench import bench
+from orchard.cli.credit import credit
 from orchard.cli.sandbox import sandbox
 from orchard.cli.quickstart import quickstart
 from orchard.cli.serve import serve
@@ -48,6 +49,7 @@ cli.add_command(agent)
 cli.add_command(bench)
 cli.add_command(quickstart)
 cli.add_command(serve)
+cli.add_command(credit)
 
 
 def main() -> None:

@@ -15,17 +15,23 @@ from orchard.train.teacher import LLMTeacher, TeacherError, parse_values, render
 
 
 class ScriptedChatServer:
-    """Answers /v1/chat/completions with the scripted contents in turn; records prompts."""
+    """Answers /v1/chat/completions with the scripted contents in turn (or with
+    ``answers(prompt)`` when it is a function); records prompts."""
 
-    def __init__(self, answers: list[str]) -> None:
-        self.answers, self.prompts = list(answers), []
+    def __init__(self, answers) -> None:
+        self.answers = answers if callable(answers) else list(answers)
+        self.prompts: list[str] = []
         server = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self) -> None:  # noqa: N802
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                server.prompts.append(body["messages"][-1]["content"])
-                content = server.answers.pop(0) if server.answers else "{}"
+                prompt = body["messages"][-1]["content"]
+                server.prompts.append(prompt)
+                if callable(server.answers):
+                    content = server.answers(prompt)
+                else:
+                    content = server.answers.pop(0) if server.answers else "{}"
                 payload = json.dumps({"choices": [{"message": {"role": "assistant", "content": content}}]}).encode()
                 self.send_response(200)
                 self.send_header("Content-Type", "application/json")
@@ -93,3 +99,28 @@ def test_forecasts_do_not_see_the_outcome():
 def test_strict_parsing(answer, problem):
     with pytest.raises(ValueError, match=problem):
         parse_values(answer, 3)
+
+
+def test_credit_command_end_to_end(tmp_path):
+    import subprocess
+    import sys
+
+    from orchard.train.credit import save_jsonl
+
+    trajs = tmp_path / "trajs.jsonl"
+    save_jsonl([TRAJ.to_dict(), Trajectory("t10", "x", [Step("a", "b")], resolved=True).to_dict()], trajs)
+    answers = {3: '{"values": [0.2, 0.6, 0.3]}', 2: '{"values": [0.5, 0.9]}'}
+    server = ScriptedChatServer(lambda prompt: answers[int(prompt.split("with exactly ")[1].split()[0])])
+    try:
+        out_file = tmp_path / "sft.jsonl"
+        result = subprocess.run([sys.executable, "-m", "orchard.cli", "credit", str(trajs), "--out", str(out_file),
+                                 "--teacher-url", server.url, "--model", "judge", "--calibrate"],
+                                capture_output=True, text=True, timeout=60)
+        assert result.returncode == 0, result.stderr
+        report = json.loads(result.stdout)
+        assert report["trained_actions"] == 2 and "brier_before" in report["calibration"]
+        examples = [json.loads(line) for line in out_file.read_text().splitlines()]
+        failed = examples[0]
+        assert [m["content"] for m in failed["messages"] if m["loss_mask"]] == ["ls"]  # 0.2 -> 0.6 ascends
+    finally:
+        server.close()
