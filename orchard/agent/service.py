@@ -13,7 +13,7 @@ import resource
 import secrets
 import shutil
 import time
-from pathlib import Path, PurePosixPath
+from pathlib import PurePosixPath
 from typing import AsyncIterator, Optional
 
 from orchard.agent.cgroups import CgroupManager, SandboxCgroup
