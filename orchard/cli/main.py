@@ -10,6 +10,7 @@ from orchard.cli.common import handle_errors, json_option, out, print_json
 from orchard.cli.agent import agent
 from orchard.cli.bench import bench
 from orchard.cli.credit import credit
+from orchard.cli.train import train
 from orchard.cli.sandbox import sandbox
 from orchard.cli.quickstart import quickstart
 from orchard.cli.serve import serve
@@ -50,6 +51,7 @@ cli.add_command(bench)
 cli.add_command(quickstart)
 cli.add_command(serve)
 cli.add_command(credit)
+cli.add_command(train)
 
 
 def main() -> None:

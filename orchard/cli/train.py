@@ -1,0 +1,54 @@
+"""``orchard train sft``: masked SFT of a Hugging Face causal LM on an `orchard credit` dataset."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+from orchard.cli.common import handle_errors, out
+
+
+@click.group()
+def train() -> None:
+    """Trainers (torch; install the `train` extra)."""
+
+
+@train.command("sft")
+@click.option("--model", "model_path", required=True, help="a local Hugging Face model directory (or hub name)")
+@click.option("--data", type=click.Path(exists=True, dir_okay=False, path_type=Path), required=True,
+              help="JSONL of {messages: [{role, content, loss_mask}]} (what `orchard credit` writes)")
+@click.option("--output", type=click.Path(file_okay=False, path_type=Path), required=True)
+@click.option("--epochs", type=int, default=5, show_default=True)
+@click.option("--lr", type=float, default=1e-5, show_default=True)
+@click.option("--min-lr", type=float, default=1e-6, show_default=True)
+@click.option("--global-batch", type=int, default=128, show_default=True)
+@click.option("--micro-batch", type=int, default=1, show_default=True)
+@click.option("--max-length", type=int, default=65536, show_default=True)
+@click.option("--gradient-checkpointing", is_flag=True)
+@click.option("--resume", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None)
+@click.option("--device", default="cpu", show_default=True)
+@handle_errors
+def sft(model_path: str, data: Path, output: Path, epochs: int, lr: float, min_lr: float, global_batch: int,
+        micro_batch: int, max_length: int, gradient_checkpointing: bool, resume: Path | None, device: str) -> None:
+    """Train on the loss-masked tokens only; checkpoints, metrics.jsonl and loss.png go to OUTPUT."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from orchard.train.sft_data import tokenize_example
+    from orchard.train.sft_trainer import SFTConfig, SFTTrainer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    model = AutoModelForCausalLM.from_pretrained(model_path).to(device)
+    rows = [json.loads(line) for line in data.read_text().splitlines() if line.strip()]
+    examples = [tokenize_example(tokenizer, row["messages"], max_length) for row in rows]
+    config = SFTConfig(output_dir=output, epochs=epochs, learning_rate=lr, min_learning_rate=min_lr,
+                       global_batch_size=global_batch, micro_batch_size=micro_batch,
+                       gradient_checkpointing=gradient_checkpointing)
+    trainer = SFTTrainer(model, examples, config, tokenizer.pad_token_id or 0)
+    if resume:
+        trainer.resume(resume)
+    records = trainer.train(progress=True)
+    model.save_pretrained(output / "final")
+    tokenizer.save_pretrained(output / "final")
+    out.print(f"{trainer.step} steps; last loss {records[-1]['loss']:.4f}" if records else "nothing to do")
