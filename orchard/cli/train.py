@@ -28,18 +28,21 @@ def train() -> None:
 @click.option("--max-length", type=int, default=65536, show_default=True)
 @click.option("--gradient-checkpointing", is_flag=True)
 @click.option("--resume", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None)
-@click.option("--device", default="cpu", show_default=True)
+@click.option("--device", default="cpu", show_default=True, help="cpu, cuda, cuda:1, ...")
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True)
 @handle_errors
 def sft(model_path: str, data: Path, output: Path, epochs: int, lr: float, min_lr: float, global_batch: int,
-        micro_batch: int, max_length: int, gradient_checkpointing: bool, resume: Path | None, device: str) -> None:
+        micro_batch: int, max_length: int, gradient_checkpointing: bool, resume: Path | None, device: str,
+        dtype: str) -> None:
     """Train on the loss-masked tokens only; checkpoints, metrics.jsonl and loss.png go to OUTPUT."""
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from orchard.train.sft_data import tokenize_example
     from orchard.train.sft_trainer import SFTConfig, SFTTrainer
 
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    model = AutoModelForCausalLM.from_pretrained(model_path).to(device)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype)).to(device)
     rows = [json.loads(line) for line in data.read_text().splitlines() if line.strip()]
     examples = [tokenize_example(tokenizer, row["messages"], max_length) for row in rows]
     config = SFTConfig(output_dir=output, epochs=epochs, learning_rate=lr, min_learning_rate=min_lr,
