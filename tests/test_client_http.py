@@ -3,46 +3,28 @@
 from __future__ import annotations
 
 import asyncio
-import json
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
 from orchard.client.http import ApiClient
 from orchard.errors import AgentUnreachable, SandboxLost
 from tests.images import free_port
+from tests.json_server import JsonServer
 
 
-class FlakyServer:
+class FlakyServer(JsonServer):
     """Answers 503 ``failures`` times, then 200; counts the calls it got."""
 
     def __init__(self, failures: int, final_status: int = 200, final_body: dict | None = None) -> None:
         self.calls = 0
-        server = self
 
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802
-                self.rfile.read(int(self.headers.get("Content-Length", 0)))
-                server.calls += 1
-                status, body = (503, {"detail": "busy"}) if server.calls <= failures else (final_status, final_body or {"ok": True})
-                payload = json.dumps(body).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(payload)))
-                self.end_headers()
-                self.wfile.write(payload)
+        def answer(path: str, body: object) -> tuple[int, object]:
+            self.calls += 1
+            if self.calls <= failures:
+                return 503, {"detail": "busy"}
+            return final_status, final_body or {"ok": True}
 
-            def log_message(self, *args: object) -> None:
-                pass
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
+        super().__init__(answer)
 
 
 def call(client: ApiClient, **kwargs):

@@ -5,50 +5,33 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
 from orchard.train.credit import Step, Trajectory
 from orchard.train.teacher import LLMTeacher, TeacherError, parse_values, render_prompt
+from tests.json_server import JsonServer
 
 
-class ScriptedChatServer:
+class ScriptedChatServer(JsonServer):
     """Answers /v1/chat/completions with the scripted contents in turn (or with
     ``answers(prompt)`` when it is a function); records prompts."""
 
     def __init__(self, answers) -> None:
         self.answers = answers if callable(answers) else list(answers)
         self.prompts: list[str] = []
-        server = self
 
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                prompt = body["messages"][-1]["content"]
-                server.prompts.append(prompt)
-                if callable(server.answers):
-                    content = server.answers(prompt)
-                else:
-                    content = server.answers.pop(0) if server.answers else "{}"
-                payload = json.dumps({"choices": [{"message": {"role": "assistant", "content": content}}]}).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(payload)))
-                self.end_headers()
-                self.wfile.write(payload)
+        def answer(path: str, body: dict) -> tuple[int, dict]:
+            prompt = body["messages"][-1]["content"]
+            self.prompts.append(prompt)
+            if callable(self.answers):
+                content = self.answers(prompt)
+            else:
+                content = self.answers.pop(0) if self.answers else "{}"
+            return 200, {"choices": [{"message": {"role": "assistant", "content": content}}]}
 
-            def log_message(self, *args: object) -> None:
-                pass
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
+        super().__init__(answer)
+        self.url += "/v1"
 
 
 TRAJ = Trajectory("t9", "make the test pass", [Step("ls", "a.py"), Step("edit a.py", "ok")], resolved=False)
