@@ -27,12 +27,13 @@ def train() -> None:
 @click.option("--micro-batch", type=int, default=1, show_default=True)
 @click.option("--max-length", type=int, default=65536, show_default=True)
 @click.option("--gradient-checkpointing", is_flag=True)
+@click.option("--pack-length", type=int, default=0, show_default=True, help="pack examples into rows of this many tokens")
 @click.option("--resume", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None)
 @click.option("--device", default="cpu", show_default=True, help="cpu, cuda, cuda:1, ...")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True)
 @handle_errors
 def sft(model_path: str, data: Path, output: Path, epochs: int, lr: float, min_lr: float, global_batch: int,
-        micro_batch: int, max_length: int, gradient_checkpointing: bool, resume: Path | None, device: str,
+        micro_batch: int, max_length: int, gradient_checkpointing: bool, pack_length: int, resume: Path | None, device: str,
         dtype: str) -> None:
     """Train on the loss-masked tokens only; checkpoints, metrics.jsonl and loss.png go to OUTPUT."""
     import torch
@@ -47,7 +48,7 @@ def sft(model_path: str, data: Path, output: Path, epochs: int, lr: float, min_l
     examples = [tokenize_example(tokenizer, row["messages"], max_length) for row in rows]
     config = SFTConfig(output_dir=output, epochs=epochs, learning_rate=lr, min_learning_rate=min_lr,
                        global_batch_size=global_batch, micro_batch_size=micro_batch,
-                       gradient_checkpointing=gradient_checkpointing)
+                       gradient_checkpointing=gradient_checkpointing, pack_length=pack_length)
     trainer = SFTTrainer(model, examples, config, tokenizer.pad_token_id or 0)
     if resume:
         trainer.resume(resume)

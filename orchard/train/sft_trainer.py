@@ -32,6 +32,9 @@ class SFTConfig:
     max_grad_norm: float = field(default=1.0, metadata={"help": "gradient clipping"})
     weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay"})
     gradient_checkpointing: bool = field(default=False, metadata={"help": "trade compute for memory"})
+    pack_length: int = field(default=0, metadata={
+        "help": "pack each micro-batch's examples into rows of up to this many tokens (0: no packing); "
+                "a block-diagonal attention mask keeps examples from seeing each other"})
     save_every: int = field(default=0, metadata={"help": "optimizer steps between checkpoints (0: at the end)"})
     seed: int = field(default=0, metadata={"help": "data order and initialization"})
 
@@ -52,20 +55,51 @@ def cosine_with_warmup(step: int, total: int, warmup: int, peak: float, floor: f
     return floor + (peak - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
-def masked_loss_sum(model: Any, batch: list[TokenizedExample], pad_id: int) -> tuple[torch.Tensor, int]:
-    """Sum of next-token cross-entropies over trained tokens, and how many there were."""
+def _rows(batch: list[TokenizedExample], pack_length: int) -> list[list[TokenizedExample]]:
+    """Examples in order, greedily packed into rows of at most ``pack_length`` tokens."""
+    if not pack_length:
+        return [[example] for example in batch]
+    rows: list[list[TokenizedExample]] = []
+    for example in batch:
+        if rows and sum(len(e.input_ids) for e in rows[-1]) + len(example.input_ids) <= pack_length:
+            rows[-1].append(example)
+        else:
+            rows.append([example])
+    return rows
+
+
+def masked_loss_sum(model: Any, batch: list[TokenizedExample], pad_id: int,
+                    pack_length: int = 0) -> tuple[torch.Tensor, int]:
+    """Sum of next-token cross-entropies over trained tokens, and how many there were.
+    Packed or not, the result is the same: packed examples cannot attend to each other
+    (block-diagonal causal mask) and positions restart at each example."""
     device = next(model.parameters()).device
-    length = max(len(e.input_ids) for e in batch)
-    ids = torch.full((len(batch), length), pad_id, dtype=torch.long)
-    labels = torch.full((len(batch), length), -100, dtype=torch.long)
-    attention = torch.zeros((len(batch), length), dtype=torch.long)
-    for row, example in enumerate(batch):
-        n = len(example.input_ids)
-        ids[row, :n] = torch.tensor(example.input_ids)
-        attention[row, :n] = 1
-        trained = torch.tensor(example.loss_mask, dtype=torch.bool)
-        labels[row, :n] = torch.where(trained, ids[row, :n], torch.tensor(-100))
-    logits = model(input_ids=ids.to(device), attention_mask=attention.to(device)).logits
+    rows = _rows(batch, pack_length)
+    length = max(sum(len(e.input_ids) for e in row) for row in rows)
+    ids = torch.full((len(rows), length), pad_id, dtype=torch.long)
+    labels = torch.full((len(rows), length), -100, dtype=torch.long)
+    positions = torch.zeros((len(rows), length), dtype=torch.long)
+    segments = torch.full((len(rows), length), -1, dtype=torch.long)
+    for r, row in enumerate(rows):
+        start = 0
+        for s, example in enumerate(row):
+            n = len(example.input_ids)
+            span = slice(start, start + n)
+            ids[r, span] = torch.tensor(example.input_ids)
+            trained = torch.tensor(example.loss_mask, dtype=torch.bool)
+            trained[0] = False  # nothing predicts an example's first token
+            labels[r, span] = torch.where(trained, ids[r, span], torch.tensor(-100))
+            positions[r, span] = torch.arange(n)
+            segments[r, span] = s
+            start += n
+    if pack_length:
+        causal = torch.tril(torch.ones(length, length, dtype=torch.bool))
+        same = (segments[:, :, None] == segments[:, None, :]) & (segments[:, :, None] >= 0)
+        attention = (same & causal) | torch.eye(length, dtype=torch.bool)  # padding attends to itself only
+        extra = {"attention_mask": attention[:, None].to(device), "position_ids": positions.to(device)}
+    else:
+        extra = {"attention_mask": (segments >= 0).long().to(device)}
+    logits = model(input_ids=ids.to(device), **extra).logits
     shifted_logits, shifted_labels = logits[:, :-1], labels[:, 1:].to(device)
     loss = torch.nn.functional.cross_entropy(shifted_logits.reshape(-1, shifted_logits.size(-1)).float(),
                                              shifted_labels.reshape(-1), ignore_index=-100, reduction="sum")
@@ -76,7 +110,8 @@ class SFTTrainer:
     def __init__(self, model: Any, examples: list[TokenizedExample], config: SFTConfig, pad_id: int = 0) -> None:
         self.model, self.examples, self.config, self.pad_id = model, examples, config, pad_id
         if config.gradient_checkpointing:
-            model.gradient_checkpointing_enable()
+            enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+            enable()
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=config.learning_rate,
                                            weight_decay=config.weight_decay)
         self.steps_per_epoch = len(examples) // config.global_batch_size
@@ -122,7 +157,7 @@ class SFTTrainer:
         self.optimizer.zero_grad(set_to_none=True)
         total = 0.0
         for part in micro:
-            loss_sum, _ = masked_loss_sum(self.model, part, self.pad_id)
+            loss_sum, _ = masked_loss_sum(self.model, part, self.pad_id, config.pack_length)
             (loss_sum / max(tokens, 1)).backward()
             total += float(loss_sum.detach())
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), config.max_grad_norm))

@@ -133,3 +133,27 @@ def test_train_sft_command(tokenizer, tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     assert "4 steps" in result.stdout
     assert (tmp_path / "out" / "final" / "config.json").exists() and (tmp_path / "out" / "loss.png").exists()
+
+
+def test_packing_changes_nothing_but_the_padding(tokenizer):
+    model = tiny_model(tokenizer)
+    batch = examples(tokenizer, 6)
+    plain, plain_count = masked_loss_sum(model, batch, tokenizer.pad_token_id)
+    plain_grad = torch.autograd.grad(plain, list(model.parameters()))
+    packed, packed_count = masked_loss_sum(model, batch, tokenizer.pad_token_id, pack_length=64)
+    packed_grad = torch.autograd.grad(packed, list(model.parameters()))
+    assert packed_count == plain_count and torch.allclose(packed, plain, atol=1e-9)
+    assert all(torch.allclose(a, b, atol=1e-9) for a, b in zip(plain_grad, packed_grad))
+
+
+def test_gradient_checkpointing_gives_the_same_update(tokenizer, tmp_path):
+    data = examples(tokenizer, 4)
+    params = []
+    for checkpointing in (False, True):
+        model = tiny_model(tokenizer)
+        config = SFTConfig(output_dir=tmp_path / str(checkpointing), epochs=1, global_batch_size=4,
+                           micro_batch_size=2, learning_rate=1e-3, warmup_ratio=0.0,
+                           gradient_checkpointing=checkpointing)
+        SFTTrainer(model, data, config, tokenizer.pad_token_id).train()
+        params.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
+    assert torch.allclose(params[0], params[1], atol=1e-10)
