@@ -8,6 +8,7 @@ beside it with mode 0600.
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import os
@@ -72,8 +73,6 @@ def serve(settings: AgentSettings, uds: Optional[Path] = None, host: str = "127.
 
 
 def main() -> None:
-    import argparse
-
     parser = argparse.ArgumentParser(prog="orchard-agent", description=__doc__)
     parser.add_argument("--state-dir", type=Path)
     parser.add_argument("--runtime")

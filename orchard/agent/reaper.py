@@ -10,7 +10,9 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import os
+import shutil
 import signal
+import tempfile
 from typing import Callable
 
 _PR_SET_CHILD_SUBREAPER = 36
@@ -63,9 +65,6 @@ class ChildReaper:
 async def run_tool(reaper: ChildReaper, argv: list[str], env: dict[str, str]) -> tuple[int, str, str]:
     """Run a helper tool to completion through the reaper (asyncio's own child watcher
     would race with our ``waitid(P_ALL)``); returns (exit code, stdout, stderr)."""
-    import shutil
-    import tempfile
-
     path = shutil.which(argv[0], path=env.get("PATH")) or argv[0]
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         pid = os.posix_spawn(path, argv, env, file_actions=[

@@ -13,6 +13,7 @@ stretches.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass, field
@@ -81,8 +82,6 @@ class EnsembleEstimator(ValueEstimator):
             raise ValueError("weights must be non-negative, one per member, not all zero")
 
     async def values(self, trajectory: Trajectory, with_outcome: bool = True) -> list[float]:
-        import asyncio
-
         estimates = await asyncio.gather(*(m.values(trajectory, with_outcome) for m in self.members))
         total = sum(self.weights)
         return [sum(w * est[t] for w, est in zip(self.weights, estimates)) / total for t in range(len(estimates[0]))]
