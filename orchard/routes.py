@@ -12,9 +12,10 @@ from typing import Any, AsyncIterator, Optional, Protocol
 
 from fastapi import FastAPI, Header, Query, Request
 from fastapi.responses import Response, StreamingResponse
+from pydantic import BaseModel
 
 from orchard.models import ExecRequest, FileUpload, PatchRequest, SandboxSpec
-from orchard.webapi import MAX_WAIT_SECONDS, model_response
+from orchard.webapi import MAX_WAIT_SECONDS, model_response, parse_body
 
 
 class SandboxOperations(Protocol):
@@ -38,6 +39,12 @@ class SandboxOperations(Protocol):
     def upload_raw(self, sandbox_id: str, path: str, chunks: AsyncIterator[bytes], mode: Optional[int]) -> Any: ...
     def download_raw(self, sandbox_id: str, path: str) -> Any:
         """(size or None, an async iterator of the file's bytes)."""
+
+
+def _json_body(model: type[BaseModel]) -> dict:
+    """The OpenAPI request body of a route that reads its body itself."""
+    schema = {"$ref": f"#/components/schemas/{model.__name__}"}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
 
 
 async def _value(result: Any) -> Any:
@@ -77,9 +84,12 @@ def add_sandbox_routes(app: FastAPI, ops: SandboxOperations) -> None:
     async def heartbeat(sandbox_id: str) -> Response:
         return model_response(await _value(ops.heartbeat(sandbox_id)))
 
-    @app.post("/sandboxes/{sandbox_id}/exec")
-    async def exec_command(sandbox_id: str, body: ExecRequest,
+    @app.post("/sandboxes/{sandbox_id}/exec", openapi_extra=_json_body(ExecRequest))
+    async def exec_command(sandbox_id: str, request: Request,
                            idempotency_key: Optional[str] = Header(None)) -> Response:
+        # The hot path: pydantic validates the body straight from bytes (FastAPI's body
+        # handling costs ~5% of the server's CPU per command); errors read as FastAPI's.
+        body = parse_body(ExecRequest, await request.body())
         return model_response(await _value(ops.exec(sandbox_id, body, idempotency_key)))
 
     @app.post("/sandboxes/{sandbox_id}/exec/stream")

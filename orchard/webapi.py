@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import json
 import secrets
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, TypeVar
 
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 
 from orchard.errors import AuthenticationFailed
 
@@ -28,6 +28,17 @@ def model_response(model: BaseModel | list[BaseModel] | dict | bytes, status_cod
     else:
         body = json.dumps(model)
     return Response(content=body, status_code=status_code, media_type="application/json")
+
+
+ModelT = TypeVar("ModelT", bound=BaseModel)
+
+
+def parse_body(model: type[ModelT], raw: bytes) -> ModelT:
+    """Validate a JSON body; errors are FastAPI's (422, locations under ``body``)."""
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as exc:
+        raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in exc.errors()]) from None
 
 
 def validation_body(exc: RequestValidationError) -> dict[str, Any]:

@@ -68,5 +68,5 @@ def test_typed_errors_are_not_retried_and_keep_their_type():
 
 def test_connection_refused_is_retried_then_reported():
     url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
-    with pytest.raises(AgentUnreachable, match="ConnectError"):
+    with pytest.raises(AgentUnreachable, match="Cannot connect"):
         call(ApiClient(url, retries=2))

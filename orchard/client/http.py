@@ -4,35 +4,33 @@ Transient failures (connection refused or reset, 503) are retried with exponenti
 backoff, but only for calls that are safe to repeat; exec is made safe by a job id
 chosen on the client, so a retried exec never runs twice.
 
-Built on httpcore (httpx's own transport layer) rather than on httpx's client: every
-exec goes through here twice (SDK -> server -> agent), and httpx's request building,
-auth and redirect layers cost ~0.3 ms a call, a third of the client's CPU per command.
+Built on aiohttp's client: every command crosses two such clients (SDK -> server ->
+agent), and its C HTTP parser on plain asyncio costs ~0.2 ms of CPU a request where
+httpcore (h11 over anyio) cost 0.9-1.5 ms (`docs/benchmarks.md`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
-import itertools
 import json
 import random
 import ssl
 from typing import Any, AsyncIterator, Optional
-from urllib.parse import urlencode, urlsplit
+from urllib.parse import urlencode
 
-import httpcore
+import aiohttp
 
 from orchard.errors import AgentUnreachable, OrchardError, error_from_body
 
 TRANSIENT_STATUS = {502, 503, 504}
-TRANSIENT_ERRORS = (httpcore.ConnectError, httpcore.RemoteProtocolError, httpcore.ReadError, httpcore.WriteError,
-                    httpcore.PoolTimeout, httpcore.ConnectTimeout)
+TRANSIENT_ERRORS = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError)
 CONNECT_TIMEOUT = 10.0
 
 
 @functools.lru_cache(maxsize=1)
 def _tls_context() -> ssl.SSLContext:
-    """One verified TLS context for all pools: building one loads the CA bundle (~50 ms)."""
+    """One verified TLS context for all clients: building one loads the CA bundle (~50 ms)."""
     return ssl.create_default_context()
 
 
@@ -52,76 +50,76 @@ class ScopedApi:
 
 
 class ApiClient:
-    """Connections are spread over small pools used in turn: httpcore scans every queued
-    request against every pooled connection, which at 64+ concurrent calls cost the client
-    more CPU than the agent spent running the commands."""
-
-    POOL_SIZE = 2
+    """The session is opened on first use, in the loop that uses it (the sync SDK builds
+    clients on one thread and runs them on its loop thread)."""
 
     def __init__(self, url: str, api_key: Optional[str] = None, *, timeout: float = 60.0, retries: int = 5,
                  max_connections: int = 128) -> None:
         self.url = url
         self.retries = retries
         self.timeout = timeout
-        uds = None
+        self.max_connections = max_connections
+        self.uds: Optional[str] = None
         if url.startswith("unix://"):
-            uds, self.origin = url.removeprefix("unix://"), "http://orchard-agent"
+            self.uds, self.origin = url.removeprefix("unix://"), "http://orchard-agent"
         else:
             self.origin = url.rstrip("/")
-        parts = urlsplit(self.origin)
-        self.base_path = parts.path
-        self.headers = [(b"host", parts.netloc.encode()), (b"accept", b"application/json")]
+        self.headers = {"accept": "application/json"}
         if api_key:
-            self.headers.append((b"x-api-key", api_key.encode()))
-        tls = _tls_context() if parts.scheme == "https" else None
-        pools = max(1, -(-max_connections // self.POOL_SIZE))
-        self._pools = [httpcore.AsyncConnectionPool(max_connections=self.POOL_SIZE, uds=uds, ssl_context=tls,
-                                                    keepalive_expiry=60.0) for _ in range(pools)]
-        self._next = itertools.cycle(self._pools)
+            self.headers["x-api-key"] = api_key
+        self._session: Optional[aiohttp.ClientSession] = None
+
+    def _open(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            connector: aiohttp.BaseConnector
+            if self.uds is not None:
+                connector = aiohttp.UnixConnector(path=self.uds, limit=self.max_connections, keepalive_timeout=60.0)
+            else:
+                tls = _tls_context() if self.origin.startswith("https://") else None
+                connector = aiohttp.TCPConnector(limit=self.max_connections, keepalive_timeout=60.0, ssl=tls or False)
+            self._session = aiohttp.ClientSession(connector=connector, headers=self.headers,
+                                                  cookie_jar=aiohttp.DummyCookieJar(), auto_decompress=False)
+        return self._session
 
     async def close(self) -> None:
-        for pool in self._pools:
-            await pool.aclose()
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
 
     def _prepare(self, path: str, params: Optional[dict], json_body: Any, content: Optional[bytes],
-                 headers: Optional[dict], timeout: Optional[float]) -> tuple[str, list, Optional[bytes], dict]:
+                 headers: Optional[dict], timeout: Optional[float]) -> tuple[str, dict, Optional[bytes], Any]:
         url = f"{self.origin}{path}"
         if params:
             url += "?" + urlencode({k: v for k, v in params.items() if v is not None}, doseq=True)
-        all_headers = list(self.headers)
+        all_headers = dict(headers or {})
         if json_body is not None:
             content = json.dumps(json_body, separators=(",", ":")).encode()
-            all_headers.append((b"content-type", b"application/json"))
-        if content is not None:
-            all_headers.append((b"content-length", str(len(content)).encode()))
-        for key, value in (headers or {}).items():
-            name = key.lower().encode()
-            all_headers = [h for h in all_headers if h[0] != name] + [(name, str(value).encode())]
+            all_headers["content-type"] = "application/json"
         limit = timeout if timeout is not None else self.timeout
-        extensions = {"timeout": {"connect": CONNECT_TIMEOUT, "read": limit, "write": limit, "pool": limit}}
-        return url, all_headers, content, extensions
+        return url, all_headers, content, aiohttp.ClientTimeout(connect=CONNECT_TIMEOUT, sock_read=limit)
 
     async def request(self, method: str, path: str, *, json_body: Any = None, params: Optional[dict] = None,
                       headers: Optional[dict] = None, timeout: Optional[float] = None, idempotent: bool = True,
                       content: Optional[bytes] = None, raw_response: bool = False) -> Any:
         """JSON in and out by default; ``content`` sends bytes, ``raw_response`` returns bytes."""
-        url, all_headers, body, extensions = self._prepare(path, params, json_body, content, headers, timeout)
+        url, all_headers, body, limits = self._prepare(path, params, json_body, content, headers, timeout)
+        session = self._open()
         attempt = 0
         while True:
             try:
-                response = await next(self._next).request(method, url, headers=all_headers, content=body,
-                                                          extensions=extensions)
+                async with session.request(method, url, data=body, headers=all_headers, timeout=limits) as response:
+                    status, payload = response.status, await response.read()
+            except asyncio.TimeoutError as exc:
+                if not idempotent or attempt >= self.retries:
+                    raise AgentUnreachable(f"{self.url}{path}: timed out ({type(exc).__name__})") from None
             except TRANSIENT_ERRORS as exc:
                 if not idempotent or attempt >= self.retries:
                     raise AgentUnreachable(f"{self.url}{path}: {type(exc).__name__}: {exc}") from None
-            except httpcore.TimeoutException as exc:
-                if not idempotent or attempt >= self.retries:
-                    raise AgentUnreachable(f"{self.url}{path}: timed out ({type(exc).__name__})") from None
             else:
-                if response.status < 400:
-                    return response.content if raw_response else json.loads(response.content)
-                if response.status not in TRANSIENT_STATUS or not idempotent or attempt >= self.retries:
-                    raise self._error(response.status, response.content)
+                if status < 400:
+                    return payload if raw_response else json.loads(payload)
+                if status not in TRANSIENT_STATUS or not idempotent or attempt >= self.retries:
+                    raise self._error(status, payload)
             attempt += 1
             await asyncio.sleep(min(2.0, 0.05 * 2 ** attempt) * (0.5 + random.random()))
 
@@ -136,14 +134,13 @@ class ApiClient:
     async def stream(self, path: str, json_body: Any, timeout: Optional[float] = None,
                      headers: Optional[dict] = None) -> AsyncIterator[dict]:
         """POST and yield each NDJSON event as it arrives."""
-        url, all_headers, body, extensions = self._prepare(path, None, json_body, None, headers, timeout)
+        url, all_headers, body, limits = self._prepare(path, None, json_body, None, headers, timeout)
         try:
-            async with next(self._next).stream("POST", url, headers=all_headers, content=body,
-                                               extensions=extensions) as response:
+            async with self._open().post(url, data=body, headers=all_headers, timeout=limits) as response:
                 if response.status >= 400:
-                    raise self._error(response.status, await response.aread())
+                    raise self._error(response.status, await response.read())
                 pending = b""
-                async for chunk in response.aiter_stream():
+                async for chunk in response.content.iter_any():
                     pending += chunk
                     *lines, pending = pending.split(b"\n")
                     for line in lines:
@@ -151,5 +148,5 @@ class ApiClient:
                             yield json.loads(line)
                 if pending.strip():
                     yield json.loads(pending)
-        except TRANSIENT_ERRORS as exc:
+        except (asyncio.TimeoutError, *TRANSIENT_ERRORS) as exc:
             raise AgentUnreachable(f"{self.url}{path}: {type(exc).__name__}: {exc}") from None

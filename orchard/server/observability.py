@@ -30,7 +30,7 @@ def configure_logging(level: str) -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
-    for noisy in ("uvicorn.access", "httpx", "httpcore"):
+    for noisy in ("uvicorn.access", "httpx", "aiohttp"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 

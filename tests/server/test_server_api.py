@@ -68,6 +68,7 @@ def test_bad_bodies_get_422_with_field_paths(server):
         try:
             bad_exec = http.post(f"/sandboxes/{sid}/exec", json={"command": "true", "timeout_seconds": -1})
             assert bad_exec.status_code == 422 and "timeout_seconds" in bad_exec.json()["error"]["message"]
+            assert bad_exec.json()["detail"][0]["loc"] == ["body", "timeout_seconds"]
             assert http.post(f"/sandboxes/{sid}/exec", json={}).status_code == 422
         finally:
             http.delete(f"/sandboxes/{sid}")
