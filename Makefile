@@ -3,8 +3,10 @@ PYTHON ?= python3
 VENV ?= .venv
 PIP := $(VENV)/bin/pip
 # Debian packages: bubblewrap (isolation), skopeo + umoci (docker:// images), docker-registry and
-# busybox-static (a real registry and images for tests), gcc + libc6-dev (the static orchard-enter helper).
-SYSTEM_PACKAGES := bubblewrap skopeo umoci docker-registry busybox-static gcc libc6-dev iproute2 git procps util-linux
+# busybox-static (a real registry and images for tests), gcc + libc6-dev (the static orchard-enter helper and
+# the bundle launcher), debootstrap (foreign root filesystems for the agent-bundle tests), binutils (strip).
+SYSTEM_PACKAGES := bubblewrap skopeo umoci docker-registry busybox-static gcc libc6-dev iproute2 git procps util-linux \
+	debootstrap dash binutils
 TORCH_VERSION := 2.13.0
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 

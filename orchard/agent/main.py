@@ -20,6 +20,7 @@ import uvicorn
 
 from orchard import __version__
 from orchard.agent.app import create_app
+from orchard.agent.environment import restore
 from orchard.agent.service import AgentService
 from orchard.agent.settings import AgentSettings
 
@@ -81,7 +82,11 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--settings-json", help="AgentSettings as JSON")
     parser.add_argument("--log-level", default="warning")
+    parser.add_argument("--restore-env", action="append", default=[], metavar="NAME[=VALUE]",
+                        help="put a variable back as it was before the bundle launcher started Python")
+    parser.add_argument("--version", action="version", version=f"orchard-agent {__version__}")
     args = parser.parse_args()
+    restore(args.restore_env)
     data = json.loads(args.settings_json) if args.settings_json else {}
     if args.state_dir:
         data["state_dir"] = str(args.state_dir)

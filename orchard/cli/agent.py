@@ -55,3 +55,31 @@ def stop() -> None:
     from orchard.backends.local.launcher import stop_agent
 
     console.print("agent stopped" if stop_agent(AgentSettings()) else "no agent was running")
+
+
+@agent.command("bundle")
+@click.option("--out", "out_dir", type=click.Path(path_type=Path), required=True, help="where to build it")
+@click.option("--force", is_flag=True, help="replace what is at --out")
+@json_option
+@handle_errors
+def bundle(out_dir: Path, force: bool, as_json: bool) -> None:
+    """Build a relocatable agent bundle (own Python and libc) for images without Python."""
+    from orchard.bundle.build import build_bundle
+
+    manifest = build_bundle(out_dir, force=force)
+    if as_json:
+        print_json({k: v for k, v in manifest.items() if k != "files"})
+    else:
+        out.print(f"bundle at {out_dir}: {manifest['size'] / 1e6:.1f} MB in {len(manifest['files'])} files, "
+                  f"digest {manifest['digest'][:16]}; start it with {out_dir / 'bin' / 'orchard-agent'}")
+
+
+@agent.command("verify-bundle")
+@click.argument("bundle_dir", type=click.Path(path_type=Path, exists=True, file_okay=False))
+@handle_errors
+def verify_bundle(bundle_dir: Path) -> None:
+    """Check a bundle (say, an init container's copy) against its manifest."""
+    from orchard.bundle.manifest import verify_bundle as verify
+
+    manifest = verify(bundle_dir)
+    out.print(f"bundle at {bundle_dir} is intact: digest {manifest['digest'][:16]}, {len(manifest['files'])} files")

@@ -112,3 +112,16 @@ def bar(seeds: int, output: Optional[Path], plot_path: Optional[Path]) -> None:
         output.write_text(json.dumps(result, indent=2))
     if plot_path:
         plot(result, str(plot_path))
+
+
+@bench.command("bundle")
+@click.option("--bundle", "bundle_dir", type=click.Path(path_type=Path, exists=True, file_okay=False), default=None,
+              help="an existing bundle (default: build one in a temporary directory)")
+@click.option("--runs", type=int, default=10, show_default=True, help="agent starts to time")
+@click.option("--output", type=click.Path(path_type=Path), default=None, help="write the JSON here")
+@handle_errors
+def bundle(bundle_dir: Optional[Path], runs: int, output: Optional[Path]) -> None:
+    """Agent bundle: size, and time from exec of its launcher to a healthy agent."""
+    from orchard.bench.bundle import run_bundle_bench
+
+    _report(run_bundle_bench(bundle_dir, runs), "agent bundle", output)

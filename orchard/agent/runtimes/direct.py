@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 
+from orchard.agent.environment import image_environment
 from orchard.agent.runtimes.api import IsolationRuntime
 from orchard.agent.sandbox import Placement, SandboxState
 from orchard.errors import InvalidRequest, QuotaExceeded
@@ -21,8 +22,9 @@ class DirectRuntime(IsolationRuntime):
         if sandbox.spec.image not in ("host", "direct"):
             raise InvalidRequest("the direct runtime runs in the agent's own image; ask for image 'host'")
         workdir = "/workspace" if os.path.isdir("/workspace") else "/"
+        env = {**image_environment(), "HOME": os.environ.get("HOME", "/root")}
         sandbox.placement = Placement(root="/", shell="bash" if os.path.exists("/bin/bash") else "sh",
-                                      default_cwd=workdir, env={"HOME": os.environ.get("HOME", "/root")})
+                                      default_cwd=workdir, env=env)
         spec = sandbox.spec
         if spec.memory or spec.pids or spec.cpu:
             if not self.context.cgroups.available:

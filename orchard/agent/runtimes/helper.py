@@ -1,7 +1,8 @@
 """Build (once) and locate ``orchard-enter``, the static helper every command goes through.
 
 It is compiled from ``orchard_enter.c`` on first use and cached by the source's hash,
-so upgrades rebuild it. ``ORCHARD_ENTER`` points at a prebuilt binary instead.
+so upgrades rebuild it. An agent bundle carries a prebuilt one (images have no
+compiler); ``ORCHARD_ENTER`` points at another prebuilt binary.
 """
 
 from __future__ import annotations
@@ -10,12 +11,33 @@ import hashlib
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
+from typing import Optional
 
 from orchard.errors import RuntimeUnavailable
 
 SOURCE = Path(__file__).with_name("orchard_enter.c")
+BUNDLE_MARKER = "orchard-bundle.json"
+
+
+def bundle_root() -> Optional[Path]:
+    """The agent bundle this interpreter belongs to (``DIR/python`` is its prefix), if any."""
+    root = Path(sys.prefix).parent
+    return root if (root / BUNDLE_MARKER).is_file() else None
+
+
+def compile_static(source: Path, output: Path, *flags: str) -> None:
+    """``cc -O2 -static -s``: a binary that runs in any image of this architecture."""
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise RuntimeUnavailable(f"building {output.name} needs a C compiler (apt-get install gcc libc6-dev)")
+    result = subprocess.run([compiler, "-O2", "-static", "-s", *flags, "-o", str(output), str(source)],
+                            capture_output=True, text=True)
+    if result.returncode != 0:
+        raise RuntimeUnavailable(f"building {output.name} failed (needs static libc: libc6-dev):\n{result.stderr}")
+    os.chmod(output, 0o755)
 
 
 def helper_path(cache_dir: Path) -> Path:
@@ -23,26 +45,17 @@ def helper_path(cache_dir: Path) -> Path:
     override = os.environ.get("ORCHARD_ENTER")
     if override:
         return Path(override)
+    bundle = bundle_root()
+    if bundle is not None:
+        return bundle / "bin" / "orchard-enter"
     digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
     target = cache_dir / f"orchard-enter-{digest}"
     if target.exists():
         return target
-    compiler = shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        raise RuntimeUnavailable(
-            "building orchard-enter needs a C compiler once (apt-get install gcc libc6-dev), "
-            "or set ORCHARD_ENTER to a prebuilt static binary"
-        )
     cache_dir.mkdir(parents=True, exist_ok=True)
     os.chmod(cache_dir, 0o755)  # the holder binary is bound into sandboxes by an unprivileged bwrap
     with tempfile.TemporaryDirectory(dir=cache_dir) as tmp:
         built = Path(tmp) / "orchard-enter"
-        result = subprocess.run(
-            [compiler, "-O2", "-static", "-o", str(built), str(SOURCE)],
-            capture_output=True, text=True,
-        )
-        if result.returncode != 0:
-            raise RuntimeUnavailable(f"building orchard-enter failed (needs static libc: libc6-dev):\n{result.stderr}")
-        os.chmod(built, 0o755)
+        compile_static(SOURCE, built)
         os.replace(built, target)
     return target
