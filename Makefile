@@ -15,7 +15,8 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 quickstart: system-deps venv  ## set up and run the main job on the local backend
 	$(VENV)/bin/orchard quickstart
 
-test: system-deps venv  ## set up and run the whole test suite
+test: system-deps venv  ## set up and run the whole test suite (with a real single-node Slurm)
+	bash slurm/dev-cluster.sh up
 	$(VENV)/bin/pytest -q
 
 system-deps:
@@ -27,11 +28,11 @@ system-deps:
 
 venv: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml plugins/orchard-remote-agent/pyproject.toml
+$(VENV)/.installed: pyproject.toml plugins/orchard-remote-agent/pyproject.toml backends/orchard-slurm/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==$(TORCH_VERSION)  # the CPU build on disk; an unpinned torch pulls a CUDA one
-	$(PIP) install -q -e '.[test,train]' -e plugins/orchard-remote-agent
+	$(PIP) install -q -e '.[test,train]' -e plugins/orchard-remote-agent -e backends/orchard-slurm
 	touch $@
 
 bench: system-deps venv  ## the figures of docs/benchmarks.md

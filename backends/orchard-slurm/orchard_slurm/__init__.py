@@ -1,0 +1,1 @@
+"""The Slurm backend: sandboxes inside pilot jobs (an exec agent each) on a Slurm cluster."""

@@ -1,0 +1,312 @@
+"""``slurm``: sandboxes packed onto pilot jobs, each running one exec agent.
+
+The pool grows when every live pilot is full (up to ``max_pilots``) and shrinks when a
+pilot has hosted nothing for ``pilot_idle_seconds``. A pilot whose job ends (scancel,
+time limit, node failure, preemption) takes its sandboxes with it: they are reported
+``lost`` with the Slurm state, and the next create submits a fresh pilot. Pilot records
+live in the shared directory, so a restarted service adopts the pilots still running.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from orchard.backends.api import AgentEndpoint, Backend
+from orchard.client.http import ApiClient
+from orchard.errors import AgentUnreachable, BackendUnavailable, OrchardError, SandboxLost, SandboxNotFound
+from orchard.models import Sandbox, SandboxSpec
+from orchard_slurm import slurm
+from orchard_slurm.config import SlurmConfig
+from orchard_slurm.pilot import run_pilot
+
+
+@dataclass
+class Pilot:
+    pilot_id: str
+    job_id: str
+    directory: Path
+    submitted_at: float
+    time_limit_seconds: float
+    sandboxes: set[str] = field(default_factory=set)
+    state: str = "PENDING"
+    ready_at: Optional[float] = None
+    url: Optional[str] = None
+    token: Optional[str] = None
+    api: Optional[ApiClient] = None
+    idle_since: float = field(default_factory=time.time)
+    ready: asyncio.Event = field(default_factory=asyncio.Event)
+    failure: Optional[str] = None
+
+    @property
+    def alive(self) -> bool:
+        return self.state in slurm.LIVE_STATES and self.failure is None
+
+    def remaining_seconds(self) -> float:
+        start = self.ready_at or time.time()
+        return start + self.time_limit_seconds - time.time()
+
+    def lost_reason(self) -> str:
+        return self.failure or f"its pilot, Slurm job {self.job_id}, ended: {self.state}"
+
+
+class SlurmBackend(Backend):
+    name = "slurm"
+    config_model = SlurmConfig
+
+    def __init__(self, config: SlurmConfig) -> None:
+        super().__init__(config)
+        self.config: SlurmConfig = config
+        self.pilots: dict[str, Pilot] = {}
+        self.owner: dict[str, str] = {}  # sandbox id -> pilot id
+        self._pool = asyncio.Lock()
+        self._states_at = 0.0
+        self._adopted = False
+
+    @classmethod
+    def unavailable_reason(cls) -> Optional[str]:
+        missing = [tool for tool in ("sbatch", "squeue", "scancel") if shutil.which(tool) is None]
+        return f"Slurm commands not found: {', '.join(missing)}" if missing else None
+
+    # -- pilots --------------------------------------------------------------------
+    @property
+    def pilots_dir(self) -> Path:
+        return self.config.shared_dir / "pilots"
+
+    def _executor(self) -> Any:
+        import submitit
+
+        config = self.config
+        executor = submitit.SlurmExecutor(folder=str(config.shared_dir / "submitit" / "%j"))
+        parameters: dict[str, Any] = {
+            "job_name": config.job_name, "time": config.time_limit_minutes, "cpus_per_task": config.cpus_per_pilot,
+            "mem": f"{max(1, int(config.mem_per_pilot_gb * 1024))}M", "ntasks_per_node": 1, "nodes": 1,
+        }
+        for key in ("partition", "account", "qos"):
+            if getattr(config, key):
+                parameters[key] = getattr(config, key)
+        if config.gpus_per_pilot:
+            parameters["gpus_per_node"] = config.gpus_per_pilot
+        executor.update_parameters(**parameters)
+        return executor
+
+    async def _submit(self) -> Pilot:
+        pilot_id = f"pilot-{secrets.token_hex(4)}"
+        directory = self.pilots_dir / pilot_id
+        directory.mkdir(parents=True)
+        directory.chmod(0o711)  # sandbox roots below must be reachable by the sandbox uid; the token file is 0600
+        job = await asyncio.to_thread(self._executor().submit, run_pilot, str(directory), self.config.runtime,
+                                      self.config.agent_host, self.config.sandboxes_per_pilot)
+        pilot = Pilot(pilot_id, str(job.job_id), directory, time.time(), self.config.time_limit_minutes * 60.0)
+        (directory / "pilot.json").write_text(json.dumps({"job_id": pilot.job_id, "submitted_at": pilot.submitted_at,
+                                                          "time_limit_seconds": pilot.time_limit_seconds}))
+        self.pilots[pilot_id] = pilot
+        asyncio.get_running_loop().create_task(self._await_agent(pilot))
+        return pilot
+
+    async def _await_agent(self, pilot: Pilot) -> None:
+        """Wait for the pilot's agent to report its address; give up when its job ends."""
+        deadline = time.monotonic() + self.config.pilot_start_timeout
+        info_path, token_path = pilot.directory / "agent" / "agent.json", pilot.directory / "agent" / "token"
+        try:
+            while not (info_path.exists() and token_path.exists()):
+                await self._refresh(force=time.monotonic() - pilot.submitted_at > 1)
+                if not pilot.alive:
+                    return
+                if time.monotonic() > deadline:
+                    pilot.failure = f"pilot job {pilot.job_id} had no agent after {self.config.pilot_start_timeout:.0f} s"
+                    await slurm.cancel(pilot.job_id)
+                    return
+                await asyncio.sleep(0.1)
+            self._connect(pilot, json.loads(info_path.read_text()), token_path.read_text().strip())
+        except (OSError, ValueError, OrchardError) as exc:
+            pilot.failure = f"pilot job {pilot.job_id}: {exc}"
+        finally:
+            pilot.ready.set()
+
+    def _connect(self, pilot: Pilot, info: dict, token: str) -> None:
+        pilot.url, pilot.token = info["address"], token
+        pilot.api = ApiClient(pilot.url, token, retries=2)
+        pilot.ready_at = pilot.ready_at or time.time()
+        pilot.state = "RUNNING"
+
+    async def _refresh(self, force: bool = False) -> None:
+        """Slurm states of the pilots, at most every ``slurm_poll_seconds``."""
+        if not force and time.monotonic() - self._states_at < self.config.slurm_poll_seconds:
+            return
+        self._states_at = time.monotonic()
+        states = await slurm.job_states(p.job_id for p in self.pilots.values() if p.state in slurm.LIVE_STATES)
+        for pilot in self.pilots.values():
+            if pilot.job_id in states:
+                pilot.state = states[pilot.job_id]
+                if not pilot.alive:
+                    pilot.ready.set()
+
+    async def _adopt(self) -> None:
+        """Pilots a previous service left running (their records are in the shared directory)."""
+        if self._adopted:
+            return
+        self._adopted = True
+        for record in sorted(self.pilots_dir.glob("*/pilot.json")) if self.pilots_dir.exists() else []:
+            directory = record.parent
+            if directory.name in self.pilots:
+                continue
+            data = json.loads(record.read_text())
+            pilot = Pilot(directory.name, data["job_id"], directory, data["submitted_at"], data["time_limit_seconds"])
+            states = await slurm.job_states([pilot.job_id])
+            pilot.state = states.get(pilot.job_id, "GONE")
+            info, token = directory / "agent" / "agent.json", directory / "agent" / "token"
+            if pilot.state != "RUNNING" or not info.exists():
+                continue
+            self._connect(pilot, json.loads(info.read_text()), token.read_text().strip())
+            pilot.ready.set()
+            self.pilots[pilot.pilot_id] = pilot
+            for item in (await pilot.api.request("GET", "/sandboxes"))["sandboxes"]:
+                pilot.sandboxes.add(item["sandbox_id"])
+                self.owner[item["sandbox_id"]] = pilot.pilot_id
+
+    async def _place(self) -> Pilot:
+        """A live pilot with room and walltime left, else a new one (bounded by max_pilots)."""
+        async with self._pool:
+            await self._adopt()
+            await self._refresh()
+            margin = self.config.min_remaining_minutes * 60
+            for pilot in sorted(self.pilots.values(), key=lambda p: p.submitted_at):
+                if (pilot.alive and len(pilot.sandboxes) < self.config.sandboxes_per_pilot
+                        and pilot.remaining_seconds() > margin):
+                    return pilot
+            live = sum(1 for p in self.pilots.values() if p.alive)
+            if live >= self.config.max_pilots:
+                raise BackendUnavailable(f"all {live} pilots are full ({self.config.sandboxes_per_pilot} sandboxes "
+                                         f"each) and max_pilots is {self.config.max_pilots}")
+            return await self._submit()
+
+    async def _shrink(self) -> None:
+        now = time.time()
+        for pilot in list(self.pilots.values()):
+            if not pilot.alive:
+                if not pilot.sandboxes:
+                    self._forget(pilot)
+                continue
+            if pilot.sandboxes or pilot.url is None:
+                continue
+            if now - pilot.idle_since >= self.config.pilot_idle_seconds:
+                await slurm.cancel(pilot.job_id)
+                pilot.state = "CANCELLED"
+                self._forget(pilot)
+
+    def _forget(self, pilot: Pilot) -> None:
+        self.pilots.pop(pilot.pilot_id, None)
+        if pilot.api is not None:
+            asyncio.get_running_loop().create_task(pilot.api.close())
+        shutil.rmtree(pilot.directory, ignore_errors=True)
+
+    def _pilot_of(self, sandbox_id: str) -> Pilot:
+        pilot = self.pilots.get(self.owner.get(sandbox_id, ""))
+        if pilot is None:
+            raise SandboxNotFound(f"sandbox {sandbox_id!r} not found")
+        return pilot
+
+    def _lost(self, sandbox_id: str, pilot: Pilot) -> Sandbox:
+        return Sandbox(sandbox_id=sandbox_id, image="unknown", status="lost", status_message=pilot.lost_reason(),
+                       backend=self.name)
+
+    # -- the Backend interface -------------------------------------------------------
+    async def create(self, spec: SandboxSpec) -> Sandbox:
+        spec = spec.model_copy(update={"sandbox_id": spec.sandbox_id or f"sbx-{secrets.token_hex(6)}"})
+        sandbox_id = spec.sandbox_id
+        pilot = await self._place()
+        pilot.sandboxes.add(sandbox_id)  # reserved before the agent answers, so packing counts it
+        self.owner[sandbox_id] = pilot.pilot_id
+        try:
+            await asyncio.wait_for(pilot.ready.wait(), self.config.pilot_start_timeout + 5)
+            if pilot.api is None or not pilot.alive:
+                raise BackendUnavailable(f"no agent on {pilot.lost_reason()}")
+            body = await pilot.api.request("POST", "/sandboxes", json_body=spec.model_dump(),
+                                           timeout=(spec.timeout or 60) + 30)
+        except BaseException:
+            pilot.sandboxes.discard(sandbox_id)
+            self.owner.pop(sandbox_id, None)
+            pilot.idle_since = time.time()
+            raise
+        return Sandbox(**{**body, "backend": self.name})
+
+    async def delete(self, sandbox_id: str) -> None:
+        pilot = self._pilot_of(sandbox_id)
+        try:
+            if pilot.alive and pilot.api is not None:
+                await pilot.api.request("DELETE", f"/sandboxes/{sandbox_id}")
+        finally:
+            pilot.sandboxes.discard(sandbox_id)
+            self.owner.pop(sandbox_id, None)
+            if not pilot.sandboxes:
+                pilot.idle_since = time.time()
+            await self._shrink()
+
+    async def list(self) -> list[Sandbox]:
+        await self._adopt()
+        await self._refresh(force=True)
+        found: list[Sandbox] = []
+        for pilot in list(self.pilots.values()):
+            if pilot.alive and pilot.api is not None:
+                body = await pilot.api.request("GET", "/sandboxes")
+                found += [Sandbox(**{**item, "backend": self.name}) for item in body["sandboxes"]]
+            elif not pilot.alive:
+                found += [self._lost(sandbox_id, pilot) for sandbox_id in sorted(pilot.sandboxes)]
+        await self._shrink()
+        return found
+
+    async def status(self, sandbox_id: str) -> Sandbox:
+        await self._adopt()
+        pilot = self._pilot_of(sandbox_id)
+        await self._refresh()
+        if not pilot.alive:
+            return self._lost(sandbox_id, pilot)
+        await asyncio.wait_for(pilot.ready.wait(), self.config.pilot_start_timeout + 5)
+        if pilot.api is None:
+            return self._lost(sandbox_id, pilot)
+        try:
+            return Sandbox(**{**await pilot.api.request("GET", f"/sandboxes/{sandbox_id}"), "backend": self.name})
+        except AgentUnreachable:
+            await self._refresh(force=True)  # the agent went away: ask Slurm why, now
+            if not pilot.alive:
+                return self._lost(sandbox_id, pilot)
+            raise
+
+    async def endpoint(self, sandbox_id: str) -> AgentEndpoint:
+        await self._adopt()
+        pilot = self._pilot_of(sandbox_id)
+        await self._refresh()
+        if not pilot.alive:
+            raise SandboxLost(f"sandbox {sandbox_id!r} is lost: {pilot.lost_reason()}")
+        await asyncio.wait_for(pilot.ready.wait(), self.config.pilot_start_timeout + 5)
+        if pilot.url is None:
+            raise SandboxLost(f"sandbox {sandbox_id!r} is lost: {pilot.lost_reason()}")
+        return AgentEndpoint(url=pilot.url, token=pilot.token)
+
+    async def resources(self) -> dict[str, Any]:
+        live = [p for p in self.pilots.values() if p.alive]
+        return {"pilots": len(live), "max_pilots": self.config.max_pilots,
+                "sandboxes": sum(len(p.sandboxes) for p in live),
+                "capacity": self.config.max_pilots * self.config.sandboxes_per_pilot,
+                "pilot_jobs": {p.pilot_id: {"job_id": p.job_id, "state": p.state, "sandboxes": len(p.sandboxes),
+                                            "remaining_seconds": round(p.remaining_seconds())} for p in live}}
+
+    async def cancel_all(self) -> None:
+        """Cancel every pilot (and so every sandbox) this backend knows."""
+        for pilot in list(self.pilots.values()):
+            await slurm.cancel(pilot.job_id)
+            pilot.state = "CANCELLED"
+            pilot.sandboxes.clear()
+            self._forget(pilot)
+
+    async def close(self) -> None:
+        for pilot in self.pilots.values():
+            if pilot.api is not None:
+                await pilot.api.close()

@@ -1,0 +1,35 @@
+"""What a site sets for the Slurm backend (``backend.settings`` in orchard.yaml)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+from pydantic import Field
+
+from orchard.backends.api import BackendConfig
+from orchard.agent.settings import default_state_dir
+
+
+class SlurmConfig(BackendConfig):
+    shared_dir: Path = Field(default_factory=lambda: default_state_dir() / "slurm",
+                             description="a directory the service and the compute nodes both see (pilot addresses, "
+                                         "tokens, submitit's files)")
+    partition: Optional[str] = None
+    account: Optional[str] = None
+    qos: Optional[str] = None
+    time_limit_minutes: int = Field(60, gt=0, description="walltime of each pilot job")
+    max_pilots: int = Field(4, gt=0, description="pilot jobs at most (the pool grows up to this)")
+    sandboxes_per_pilot: int = Field(32, gt=0, description="also the cap that keeps one fork bomb from taking "
+                                                          "a pilot down where cgroups are not delegated")
+    cpus_per_pilot: int = Field(1, gt=0)
+    mem_per_pilot_gb: float = Field(2.0, gt=0)
+    gpus_per_pilot: int = Field(0, ge=0)
+    runtime: str = Field("bwrap", description="the agent's isolation runtime on the compute nodes")
+    agent_host: Optional[str] = Field(None, description="address the agents listen on and report "
+                                                        "(default: the compute node's hostname)")
+    pilot_start_timeout: float = Field(120.0, gt=0, description="seconds to wait for a pilot's agent")
+    min_remaining_minutes: float = Field(5.0, ge=0, description="no new sandbox on a pilot with less walltime")
+    pilot_idle_seconds: float = Field(300.0, ge=0, description="cancel a pilot that hosted nothing this long")
+    job_name: str = Field("orchard-pilot", description="Slurm job name of the pilots (how orphans are found)")
+    slurm_poll_seconds: float = Field(2.0, gt=0, description="how stale a pilot's Slurm state may be")

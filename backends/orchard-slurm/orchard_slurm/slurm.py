@@ -1,0 +1,58 @@
+"""Slurm's own commands, asked directly: submitit waits forever for a job that vanished
+when ``sacct`` is unavailable, so pilot states come from ``squeue`` (live jobs) and
+``sacct`` (ended ones), each with a timeout, and a job neither knows counts as gone."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Iterable
+
+from orchard.errors import BackendUnavailable
+
+LIVE_STATES = {"PENDING", "CONFIGURING", "RUNNING", "RESIZING", "REQUEUED", "SUSPENDED"}  # COMPLETING: ending
+COMMAND_TIMEOUT = 15.0
+
+
+async def run(*argv: str, check: bool = True) -> str:
+    process = await asyncio.create_subprocess_exec(*argv, stdout=asyncio.subprocess.PIPE,
+                                                   stderr=asyncio.subprocess.PIPE)
+    try:
+        out, err = await asyncio.wait_for(process.communicate(), COMMAND_TIMEOUT)
+    except asyncio.TimeoutError:
+        process.kill()
+        await process.wait()
+        raise BackendUnavailable(f"{argv[0]} did not answer within {COMMAND_TIMEOUT:.0f} s") from None
+    if check and process.returncode != 0:
+        raise BackendUnavailable(f"{' '.join(argv[:2])} failed: {err.decode(errors='replace').strip()}")
+    return out.decode(errors="replace")
+
+
+async def job_states(job_ids: Iterable[str]) -> dict[str, str]:
+    """Slurm state of each job ("RUNNING", "CANCELLED", ...); "GONE" when Slurm forgot it."""
+    ids = sorted(set(job_ids))
+    if not ids:
+        return {}
+    states = {job_id: "GONE" for job_id in ids}
+    live = await run("squeue", "-h", "-o", "%i|%T", "-j", ",".join(ids), check=False)
+    for line in live.splitlines():
+        job_id, _, state = line.partition("|")
+        if job_id in states:
+            states[job_id] = state.strip()
+    ended = [job_id for job_id, state in states.items() if state in ("GONE", "COMPLETING")]  # sacct: how it ended
+    if ended:
+        history = await run("sacct", "-n", "-P", "-X", "-o", "JobID,State", "-j", ",".join(ended), check=False)
+        for line in history.splitlines():
+            job_id, _, state = line.partition("|")
+            if job_id in states and state:
+                states[job_id] = state.split()[0]  # "CANCELLED by 0" -> "CANCELLED"
+    return states
+
+
+async def jobs_named(name: str) -> list[str]:
+    """Live jobs of this user with this job name (pilots, and orphans of a crashed service)."""
+    out = await run("squeue", "-h", "--me", "-n", name, "-o", "%i")
+    return [line.strip() for line in out.splitlines() if line.strip()]
+
+
+async def cancel(job_id: str) -> None:
+    await run("scancel", job_id, check=False)
