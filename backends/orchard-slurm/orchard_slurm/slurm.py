@@ -48,11 +48,5 @@ async def job_states(job_ids: Iterable[str]) -> dict[str, str]:
     return states
 
 
-async def jobs_named(name: str) -> list[str]:
-    """Live jobs of this user with this job name (pilots, and orphans of a crashed service)."""
-    out = await run("squeue", "-h", "--me", "-n", name, "-o", "%i")
-    return [line.strip() for line in out.splitlines() if line.strip()]
-
-
 async def cancel(job_id: str) -> None:
     await run("scancel", job_id, check=False)
