@@ -64,6 +64,27 @@ def strip_tty_warnings(text: str) -> str:
     return "".join(line for line in text.splitlines(keepends=True) if not line.startswith(_TTY_WARNINGS))
 
 
+def process_ended(pid: int) -> bool:
+    """True when ``pid`` is gone or a zombie (killed, not yet reaped by its parent)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True
+    return stat.rpartition(")")[2].split()[0] in ("Z", "X")
+
+
+async def settle_holder(sandbox: SandboxState, timeout: float = 2.0) -> None:
+    """A command killed by a signal may have died with its sandbox's holder, whose own exit
+    can be reaped a moment later: wait for it, so the job reads ``sandbox_lost``, not a plain failure."""
+    placement, holder_exit = sandbox.placement, sandbox.holder_exit
+    if placement is None or holder_exit is None or holder_exit.done():
+        return
+    pid = placement.target_pid or placement.holder_pid
+    if pid and process_ended(pid):
+        await asyncio.wait([holder_exit], timeout=timeout)
+        await asyncio.sleep(0)  # let the sandbox's exit callback mark it lost first
+
+
 class JobRunner:
     def __init__(self, reaper: ChildReaper, helper: Path, max_output_bytes: int) -> None:
         self.reaper = reaper
@@ -125,6 +146,8 @@ class JobRunner:
         finally:
             if stdin_fd >= 0:
                 os.close(stdin_fd)
+        if exit_code > 128 and killed_for is None:
+            await settle_holder(sandbox)
         self._record_result(sandbox, record, exit_code, killed_for)
 
     async def _supervise(self, record: JobRecord) -> tuple[int, Optional[str]]:
