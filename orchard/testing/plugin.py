@@ -1,7 +1,7 @@
 """Pytest plugin (entry point ``pytest11: orchard``): options and fixtures of the kit.
 
 ``--orchard-backend NAME`` (repeatable) chooses the backends the conformance tests
-run against (default: local); ``--orchard-backend-config FILE`` is a YAML or JSON
+run against (default: the test module's ``orchard_backends`` list, else local); ``--orchard-backend-config FILE`` is a YAML or JSON
 mapping ``{backend name: settings}`` validated by each backend's own config model.
 A project's conftest may instead override the ``orchard_backend_settings`` fixture.
 """
@@ -25,7 +25,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "orchard_backend_name" in metafunc.fixturenames:
-        names = metafunc.config.getoption("--orchard-backend") or ["local"]
+        names = (metafunc.config.getoption("--orchard-backend") or getattr(metafunc.module, "orchard_backends", None)
+                 or ["local"])
         metafunc.parametrize("orchard_backend_name", names, scope="session")
 
 

@@ -221,20 +221,26 @@ class SlurmBackend(Backend):
     async def create(self, spec: SandboxSpec) -> Sandbox:
         spec = spec.model_copy(update={"sandbox_id": spec.sandbox_id or f"sbx-{secrets.token_hex(6)}"})
         sandbox_id = spec.sandbox_id
+        known = self.pilots.get(self.owner.get(sandbox_id, ""))
+        if known is not None:  # the same id again: its agent answers (idempotent, or a conflict)
+            return await self._create_on(known, spec)
         pilot = await self._place()
         pilot.sandboxes.add(sandbox_id)  # reserved before the agent answers, so packing counts it
         self.owner[sandbox_id] = pilot.pilot_id
         try:
-            await asyncio.wait_for(pilot.ready.wait(), self.config.pilot_start_timeout + 5)
-            if pilot.api is None or not pilot.alive:
-                raise BackendUnavailable(f"no agent on {pilot.lost_reason()}")
-            body = await pilot.api.request("POST", "/sandboxes", json_body=spec.model_dump(),
-                                           timeout=(spec.timeout or 60) + 30)
+            return await self._create_on(pilot, spec)
         except BaseException:
             pilot.sandboxes.discard(sandbox_id)
             self.owner.pop(sandbox_id, None)
             pilot.idle_since = time.time()
             raise
+
+    async def _create_on(self, pilot: Pilot, spec: SandboxSpec) -> Sandbox:
+        await asyncio.wait_for(pilot.ready.wait(), self.config.pilot_start_timeout + 5)
+        if pilot.api is None or not pilot.alive:
+            raise BackendUnavailable(f"no agent on {pilot.lost_reason()}")
+        body = await pilot.api.request("POST", "/sandboxes", json_body=spec.model_dump(),
+                                       timeout=(spec.timeout or 60) + 30)
         return Sandbox(**{**body, "backend": self.name})
 
     async def delete(self, sandbox_id: str) -> None:
@@ -307,6 +313,11 @@ class SlurmBackend(Backend):
             self._forget(pilot)
 
     async def close(self) -> None:
-        for pilot in self.pilots.values():
+        """Cancel the pilots that host nothing (the rest stay, for a restarted service to adopt)."""
+        for pilot in list(self.pilots.values()):
+            if not pilot.sandboxes and pilot.alive:
+                await slurm.cancel(pilot.job_id)
+                self.pilots.pop(pilot.pilot_id, None)
+                shutil.rmtree(pilot.directory, ignore_errors=True)
             if pilot.api is not None:
                 await pilot.api.close()

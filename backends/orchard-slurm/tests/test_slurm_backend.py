@@ -5,11 +5,8 @@ scancel of a pilot reported as lost with Slurm's state."""
 from __future__ import annotations
 
 import asyncio
-import os
 import subprocess
-import tempfile
 import time
-from pathlib import Path
 
 import pytest
 
@@ -17,30 +14,14 @@ from orchard.client.http import ApiClient
 from orchard.models import SandboxSpec
 from orchard_slurm.backend import SlurmBackend
 
-REPO = Path(__file__).resolve().parents[3]
-
-
-@pytest.fixture(scope="session")
-def slurm_cluster():
-    result = subprocess.run(["bash", str(REPO / "slurm" / "dev-cluster.sh"), "up"], capture_output=True, text=True)
-    assert result.returncode == 0, f"the dev cluster did not come up:\n{result.stderr[-3000:]}"
+from slurm_testing import slurm_settings, wait_until_no_jobs
 
 
 @pytest.fixture
 def backend(slurm_cluster):
-    shared = Path(tempfile.mkdtemp(prefix="orchard-slurm-test-", dir="/tmp"))
-    shared.chmod(0o755)  # sandbox roots below must be reachable by the sandbox uid
-    job_name = f"orchard-test-{os.getpid()}-{time.monotonic_ns() % 100000}"
-    made = SlurmBackend.from_settings({"shared_dir": str(shared), "sandboxes_per_pilot": 3, "max_pilots": 2,
-                                       "agent_host": "127.0.0.1", "pilot_idle_seconds": 0, "job_name": job_name,
-                                       "time_limit_minutes": 10, "min_remaining_minutes": 0})
+    made = SlurmBackend.from_settings(slurm_settings(sandboxes_per_pilot=3, max_pilots=2, pilot_idle_seconds=0))
     yield made
-    subprocess.run(["scancel", "-n", job_name], check=False)
-
-
-def squeue_jobs(name: str) -> list[str]:
-    out = subprocess.run(["squeue", "-h", "-n", name, "-o", "%i %T"], capture_output=True, text=True).stdout
-    return [line for line in out.splitlines() if line.strip() and "COMPLETING" not in line]
+    subprocess.run(["scancel", "-n", made.config.job_name], check=False)
 
 
 async def exec_on(backend: SlurmBackend, sandbox_id: str, command: str) -> dict:
@@ -68,10 +49,7 @@ def test_pilots_pack_sandboxes_run_commands_and_leave_nothing(backend):
         await backend.close()
 
     asyncio.run(scenario())
-    deadline = time.monotonic() + 20
-    while squeue_jobs(backend.config.job_name) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert squeue_jobs(backend.config.job_name) == []
+    assert wait_until_no_jobs(backend.config.job_name) == []
 
 
 def test_scancel_of_a_pilot_is_reported_lost_with_slurm_state_and_the_pool_recovers(backend):

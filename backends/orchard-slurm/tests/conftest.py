@@ -1,0 +1,30 @@
+"""Fixtures of the Slurm backend's tests: the real single-node dev cluster, a shared
+directory and a job name of its own per test, so leftovers are found by name."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+
+from slurm_testing import slurm_settings, wait_until_no_jobs
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster() -> None:
+    result = subprocess.run(["bash", str(REPO / "slurm" / "dev-cluster.sh"), "up"], capture_output=True, text=True)
+    assert result.returncode == 0, f"the dev cluster did not come up:\n{result.stderr[-3000:]}"
+
+
+@pytest.fixture(scope="session")
+def orchard_backend_settings(slurm_cluster) -> Iterator[dict[str, Any]]:
+    """For the conformance suite: pilots of 8 sandboxes, at most 2 of them."""
+    settings = slurm_settings(sandboxes_per_pilot=8, max_pilots=2, pilot_idle_seconds=30)
+    yield {"slurm": settings}
+    left = wait_until_no_jobs(settings["job_name"])
+    subprocess.run(["scancel", "-n", settings["job_name"]], check=False)
+    assert left == [], f"pilots left running after the conformance suite: {left}"
