@@ -40,7 +40,9 @@ def load_or_create_token(settings: AgentSettings) -> str:
 
 
 def serve(settings: AgentSettings, uds: Optional[Path] = None, host: str = "127.0.0.1", port: int = 0,
-          log_level: str = "warning") -> None:
+          log_level: str = "warning", graceful_shutdown_seconds: Optional[float] = None) -> None:
+    """Run the agent until SIGTERM/SIGINT; on the way out it deletes its sandboxes
+    (waiting at most ``graceful_shutdown_seconds`` for requests in flight)."""
     settings.make_dirs()
     token = load_or_create_token(settings)
     service = AgentService(settings)
@@ -51,7 +53,8 @@ def serve(settings: AgentSettings, uds: Optional[Path] = None, host: str = "127.
         uds.unlink()
     # loop="asyncio": uvloop reserves SIGCHLD, which the reaper needs.
     config = uvicorn.Config(app, uds=str(uds) if uds else None, host=host, port=port, log_level=log_level,
-                            access_log=False, lifespan="on", loop="asyncio", timeout_keep_alive=60, backlog=4096)
+                            access_log=False, lifespan="on", loop="asyncio", timeout_keep_alive=60, backlog=4096,
+                            timeout_graceful_shutdown=graceful_shutdown_seconds)
     server = uvicorn.Server(config)
     address = f"unix://{uds}" if uds else f"http://{host}:{port}"
     info_path = settings.agent_dir / "agent.json"

@@ -10,7 +10,9 @@ live in the shared directory, so a restarted service adopts the pilots still run
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
+import logging
 import secrets
 import shutil
 import time
@@ -24,7 +26,9 @@ from orchard.errors import AgentUnreachable, BackendUnavailable, OrchardError, S
 from orchard.models import Sandbox, SandboxSpec
 from orchard_slurm import slurm
 from orchard_slurm.config import SlurmConfig
-from orchard_slurm.pilot import run_pilot
+from orchard_slurm.pilot import read_stop_record, run_pilot
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -53,7 +57,13 @@ class Pilot:
         return start + self.time_limit_seconds - time.time()
 
     def lost_reason(self) -> str:
-        return self.failure or f"its pilot, Slurm job {self.job_id}, ended: {self.state}"
+        if self.failure:
+            return self.failure
+        stopped = read_stop_record(self.directory)
+        if stopped:
+            return (f"its pilot, Slurm job {self.job_id}, stopped on {stopped['signal']} ({stopped['reason']}) "
+                    f"and ended: {self.state}")
+        return f"its pilot, Slurm job {self.job_id}, ended: {self.state}"
 
 
 class SlurmBackend(Backend):
@@ -68,6 +78,7 @@ class SlurmBackend(Backend):
         self._pool = asyncio.Lock()
         self._states_at = 0.0
         self._adopted = False
+        self.orphans_cancelled = 0
 
     @classmethod
     def unavailable_reason(cls) -> Optional[str]:
@@ -79,6 +90,12 @@ class SlurmBackend(Backend):
     def pilots_dir(self) -> Path:
         return self.config.shared_dir / "pilots"
 
+    @property
+    def job_comment(self) -> str:
+        """Marks this service's pilots in Slurm (one service per shared directory)."""
+        digest = hashlib.sha256(str(self.config.shared_dir.resolve()).encode()).hexdigest()[:16]
+        return f"orchard-pilots-{digest}"
+
     def _executor(self) -> Any:
         import submitit
 
@@ -87,6 +104,8 @@ class SlurmBackend(Backend):
         parameters: dict[str, Any] = {
             "job_name": config.job_name, "time": config.time_limit_minutes, "cpus_per_task": config.cpus_per_pilot,
             "mem": f"{max(1, int(config.mem_per_pilot_gb * 1024))}M", "ntasks_per_node": 1, "nodes": 1,
+            "signal_delay_s": config.stop_margin_seconds, "comment": self.job_comment,
+            "additional_parameters": {"no_requeue": True},  # a requeued pilot would come back empty
         }
         for key in ("partition", "account", "qos"):
             if getattr(config, key):
@@ -176,7 +195,7 @@ class SlurmBackend(Backend):
         async with self._pool:
             await self._adopt()
             await self._refresh()
-            margin = self.config.min_remaining_minutes * 60
+            margin = self.config.min_remaining_minutes * 60 + self.config.stop_margin_seconds
             for pilot in sorted(self.pilots.values(), key=lambda p: p.submitted_at):
                 if (pilot.alive and len(pilot.sandboxes) < self.config.sandboxes_per_pilot
                         and pilot.remaining_seconds() > margin):
@@ -258,6 +277,7 @@ class SlurmBackend(Backend):
     async def list(self) -> list[Sandbox]:
         await self._adopt()
         await self._refresh(force=True)
+        await self._cancel_orphans()
         found: list[Sandbox] = []
         for pilot in list(self.pilots.values()):
             if pilot.alive and pilot.api is not None:
@@ -267,6 +287,15 @@ class SlurmBackend(Backend):
                 found += [self._lost(sandbox_id, pilot) for sandbox_id in sorted(pilot.sandboxes)]
         await self._shrink()
         return found
+
+    async def _cancel_orphans(self) -> None:
+        """Cancel this service's pilot jobs it has no record of (records lost, or never adopted)."""
+        async with self._pool:  # no submission in flight: every job we submitted is in self.pilots
+            known = {pilot.job_id for pilot in self.pilots.values()}
+            for job_id in sorted(await slurm.jobs_named(self.config.job_name, self.job_comment) - known):
+                log.warning("cancelling orphaned pilot job %s", job_id)
+                await slurm.cancel(job_id)
+                self.orphans_cancelled += 1
 
     async def status(self, sandbox_id: str) -> Sandbox:
         await self._adopt()
@@ -298,7 +327,7 @@ class SlurmBackend(Backend):
 
     async def resources(self) -> dict[str, Any]:
         live = [p for p in self.pilots.values() if p.alive]
-        return {"pilots": len(live), "max_pilots": self.config.max_pilots,
+        return {"pilots": len(live), "max_pilots": self.config.max_pilots, "orphans_cancelled": self.orphans_cancelled,
                 "sandboxes": sum(len(p.sandboxes) for p in live),
                 "capacity": self.config.max_pilots * self.config.sandboxes_per_pilot,
                 "pilot_jobs": {p.pilot_id: {"job_id": p.job_id, "state": p.state, "sandboxes": len(p.sandboxes),

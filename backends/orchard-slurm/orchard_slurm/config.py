@@ -29,7 +29,12 @@ class SlurmConfig(BackendConfig):
     agent_host: Optional[str] = Field(None, description="address the agents listen on and report "
                                                         "(default: the compute node's hostname)")
     pilot_start_timeout: float = Field(120.0, gt=0, description="seconds to wait for a pilot's agent")
-    min_remaining_minutes: float = Field(5.0, ge=0, description="no new sandbox on a pilot with less walltime")
+    min_remaining_minutes: float = Field(5.0, ge=0, description="no new sandbox on a pilot with less walltime "
+                                                                "(counted before the stop margin)")
+    stop_margin_seconds: int = Field(120, ge=30, description="Slurm warns a pilot (SIGUSR2) this long before its "
+                                                             "time limit; the pilot then deletes its sandboxes and "
+                                                             "stops (Slurm may signal up to 60 s early)")
     pilot_idle_seconds: float = Field(300.0, ge=0, description="cancel a pilot that hosted nothing this long")
-    job_name: str = Field("orchard-pilot", description="Slurm job name of the pilots (how orphans are found)")
+    job_name: str = Field("orchard-pilot", description="Slurm job name of the pilots; with the comment "
+                                                       "naming the shared directory, how orphans are found")
     slurm_poll_seconds: float = Field(2.0, gt=0, description="how stale a pilot's Slurm state may be")

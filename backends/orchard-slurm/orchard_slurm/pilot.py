@@ -5,12 +5,25 @@ service's software stack and the shared directory. The agent writes its address 
 ``agent.json`` and its token (mode 0600) beside it in the pilot's directory; the
 service reads both from there and talks to the node directly. Agent ports are reachable
 cluster-wide, so every call needs a token (per-sandbox tokens for callers on the hot path).
+
+Slurm sends SIGUSR2 ``stop_margin_seconds`` before the time limit (``--signal``), and on
+preemption. submitit's own handler would requeue the job, which would bring back an empty
+agent under the same job id; the pilot instead records why it stops (``stop.json``) and
+shuts its agent down, which deletes every sandbox cleanly before Slurm kills anything.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import signal
 import socket
+import time
+from pathlib import Path
 from typing import Optional
+
+STOP_RECORD = "stop.json"
+GRACEFUL_SHUTDOWN_SECONDS = 10.0
 
 
 def free_port(host: str) -> int:
@@ -19,10 +32,31 @@ def free_port(host: str) -> int:
         return probe.getsockname()[1]
 
 
+def stop_before_time_limit(pilot_dir: Path) -> None:
+    """On SIGUSR2: say why in ``stop.json``, then stop the agent as SIGTERM would."""
+
+    def handle(signum: int, frame: object) -> None:
+        record = {"signal": signal.Signals(signum).name, "time": time.time(),
+                  "reason": "Slurm's warning signal before the time limit (or preemption)"}
+        (pilot_dir / STOP_RECORD).write_text(json.dumps(record))
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    signal.signal(signal.SIGUSR2, handle)
+
+
+def read_stop_record(pilot_dir: Path) -> Optional[dict]:
+    try:
+        return json.loads((pilot_dir / STOP_RECORD).read_text())
+    except (OSError, ValueError):
+        return None
+
+
 def run_pilot(state_dir: str, runtime: str, host: Optional[str], max_sandboxes: int) -> None:
     from orchard.agent.main import serve
     from orchard.agent.settings import AgentSettings
 
     host = host or socket.gethostname()
     settings = AgentSettings(state_dir=state_dir, runtime=runtime, max_sandboxes=max_sandboxes)
-    serve(settings, host=host, port=free_port(host), log_level="warning")
+    stop_before_time_limit(Path(state_dir))
+    serve(settings, host=host, port=free_port(host), log_level="warning",
+          graceful_shutdown_seconds=GRACEFUL_SHUTDOWN_SECONDS)

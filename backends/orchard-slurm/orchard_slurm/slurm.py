@@ -5,6 +5,7 @@ when ``sacct`` is unavailable, so pilot states come from ``squeue`` (live jobs) 
 from __future__ import annotations
 
 import asyncio
+import getpass
 from typing import Iterable
 
 from orchard.errors import BackendUnavailable
@@ -50,3 +51,14 @@ async def job_states(job_ids: Iterable[str]) -> dict[str, str]:
 
 async def cancel(job_id: str) -> None:
     await run("scancel", job_id, check=False)
+
+
+async def jobs_named(name: str, comment: str) -> set[str]:
+    """Live jobs of this user with this job name and comment (a service's pilots, known or not)."""
+    out = await run("squeue", "-h", "-u", getpass.getuser(), "-n", name, "-o", "%i|%T|%k")
+    found = set()
+    for line in out.splitlines():
+        job_id, state, job_comment = (line.split("|", 2) + ["", ""])[:3]
+        if job_comment.strip() == comment and state.strip() in LIVE_STATES:
+            found.add(job_id.strip())
+    return found

@@ -5,14 +5,17 @@ scancel of a pilot reported as lost with Slurm's state."""
 from __future__ import annotations
 
 import asyncio
+import shutil
 import subprocess
 import time
 
 import pytest
 
+from orchard.bench.measure import count_processes
 from orchard.client.http import ApiClient
 from orchard.models import SandboxSpec
 from orchard_slurm.backend import SlurmBackend
+from orchard_slurm.slurm import job_states as slurm_job_states
 
 from slurm_testing import slurm_settings, wait_until_no_jobs
 
@@ -74,3 +77,58 @@ def test_scancel_of_a_pilot_is_reported_lost_with_slurm_state_and_the_pool_recov
         await backend.close()
 
     asyncio.run(scenario())
+
+
+def test_pilot_deletes_its_sandboxes_and_stops_on_slurms_warning_signal(backend):
+    async def scenario() -> None:
+        first, second = [await backend.create(SandboxSpec()) for _ in range(2)]
+        pilot = backend.pilots[backend.owner[first.sandbox_id]]
+        await exec_on(backend, first.sandbox_id, "sleep 4242 & echo started")
+        assert count_processes("sleep 4242") == 1
+        script = next((backend.config.shared_dir / "submitit" / pilot.job_id).glob("*_submission.sh")).read_text()
+        assert f"--signal=USR2@{backend.config.stop_margin_seconds}" in script and "--no-requeue" in script
+        assert f"--comment={backend.job_comment}" in script
+        subprocess.run(["scancel", "--signal=USR2", pilot.job_id], check=True)  # what Slurm sends before the limit
+        started = time.monotonic()
+        while (status := await backend.status(second.sandbox_id)).status != "lost":
+            assert time.monotonic() - started < 15, "the pilot did not stop"
+            await asyncio.sleep(0.2)
+        assert "stopped on SIGUSR2" in status.status_message and f"Slurm job {pilot.job_id}" in status.status_message
+        assert count_processes("sleep 4242") == 0  # the agent deleted its sandboxes on the way out
+        assert (await slurm_job_states([pilot.job_id]))[pilot.job_id] in ("COMPLETED", "COMPLETING")
+        await backend.close()
+
+    asyncio.run(scenario())
+    assert wait_until_no_jobs(backend.config.job_name) == []
+
+
+def test_a_restarted_service_adopts_its_pilots_and_cancels_orphans_but_not_other_services_jobs(slurm_cluster):
+    settings = slurm_settings(sandboxes_per_pilot=1, max_pilots=2, pilot_idle_seconds=60)
+    neighbour_settings = slurm_settings(job_name=settings["job_name"], pilot_idle_seconds=60)  # same name, other dir
+
+    async def scenario() -> None:
+        first, neighbour = SlurmBackend.from_settings(settings), SlurmBackend.from_settings(neighbour_settings)
+        kept, orphaned = [await first.create(SandboxSpec()) for _ in range(2)]
+        other = await neighbour.create(SandboxSpec())
+        orphan_pilot = first.pilots[first.owner[orphaned.sandbox_id]]
+        for api in [p.api for p in first.pilots.values()]:
+            await api.close()  # the service dies without cleaning up ...
+        shutil.rmtree(orphan_pilot.directory)  # ... and one pilot's record is lost with it
+
+        restarted = SlurmBackend.from_settings(settings)
+        listed = {s.sandbox_id for s in await restarted.list()}
+        assert kept.sandbox_id in listed and orphaned.sandbox_id not in listed
+        assert restarted.orphans_cancelled == 1
+        assert (await exec_on(restarted, kept.sandbox_id, "echo adopted"))["stdout"] == "adopted\n"
+        states = await slurm_job_states([orphan_pilot.job_id])
+        assert states[orphan_pilot.job_id] in ("CANCELLED", "COMPLETING")
+        assert (await exec_on(neighbour, other.sandbox_id, "echo untouched"))["stdout"] == "untouched\n"
+        for backend, sandbox in ((restarted, kept), (neighbour, other)):
+            await backend.delete(sandbox.sandbox_id)
+            await backend.close()
+
+    try:
+        asyncio.run(scenario())
+        assert wait_until_no_jobs(settings["job_name"]) == []
+    finally:
+        subprocess.run(["scancel", "-n", settings["job_name"]], check=False)
