@@ -48,3 +48,9 @@ def orchard_sandbox_event(event: dict[str, Any]) -> None:
     ``event`` has at least ``type``, ``sandbox_id``, ``time``; handlers must be quick
     and must not raise (errors are logged and ignored).
     """
+
+
+@hookspec
+def orchard_add_commands(cli: Any) -> None:
+    """Add click commands to the ``orchard`` CLI: ``cli`` is the top-level group, and
+    its groups are ``cli.commands["bench"]``, ... (the Slurm backend adds ``bench slurm``)."""

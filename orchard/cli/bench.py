@@ -43,14 +43,14 @@ def sandboxes(sandboxes: int, commands: int, concurrency: int, command: str, ima
             return await run(client, sandboxes, commands, concurrency, command, image, latency_samples)
 
     result = asyncio.run(main())
-    _report(result, f"orchard bench sandboxes -n {sandboxes} -m {commands} -c {concurrency}", output)
+    report(result, f"orchard bench sandboxes -n {sandboxes} -m {commands} -c {concurrency}", output)
     for failure in result["failures"]:
         out.print(f"[red]failure[/red] {failure}")
     if result["succeeded"] != sandboxes:
         raise SystemExit(1)
 
 
-def _report(result: dict, title: str, output: Optional[Path]) -> None:
+def report(result: dict, title: str, output: Optional[Path]) -> None:
     table = Table("metric", "value", title=title)
     for key, value in result.items():
         if key != "failures":
@@ -80,7 +80,7 @@ def noisy(quiet: int, flood_mb: int, upload_mb: int, rounds: int, output: Option
         async with AsyncClient(url, api_key, backend=None if url else backend) as client:
             return await run(client, quiet, flood_mb * 10**6, upload_mb * 10**6, rounds)
 
-    _report(asyncio.run(main()), f"orchard bench noisy --quiet {quiet} --flood-mb {flood_mb} --upload-mb {upload_mb} "
+    report(asyncio.run(main()), f"orchard bench noisy --quiet {quiet} --flood-mb {flood_mb} --upload-mb {upload_mb} "
             f"--rounds {rounds}", output)
 
 
@@ -124,4 +124,4 @@ def bundle(bundle_dir: Optional[Path], runs: int, output: Optional[Path]) -> Non
     """Agent bundle: size, and time from exec of its launcher to a healthy agent."""
     from orchard.bench.bundle import run_bundle_bench
 
-    _report(run_bundle_bench(bundle_dir, runs), "agent bundle", output)
+    report(run_bundle_bench(bundle_dir, runs), "agent bundle", output)

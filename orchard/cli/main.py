@@ -55,4 +55,7 @@ cli.add_command(train)
 
 
 def main() -> None:
+    from orchard.plugins import get_plugin_manager
+
+    get_plugin_manager().hook.orchard_add_commands(cli=cli)
     cli()

@@ -79,6 +79,7 @@ class SlurmBackend(Backend):
         self._states_at = 0.0
         self._adopted = False
         self.orphans_cancelled = 0
+        self.pilots_submitted = 0
 
     @classmethod
     def unavailable_reason(cls) -> Optional[str]:
@@ -120,9 +121,11 @@ class SlurmBackend(Backend):
         directory = self.pilots_dir / pilot_id
         directory.mkdir(parents=True)
         directory.chmod(0o711)  # sandbox roots below must be reachable by the sandbox uid; the token file is 0600
+        submitted_at = time.time()
         job = await asyncio.to_thread(self._executor().submit, run_pilot, str(directory), self.config.runtime,
                                       self.config.agent_host, self.config.sandboxes_per_pilot)
-        pilot = Pilot(pilot_id, str(job.job_id), directory, time.time(), self.config.time_limit_minutes * 60.0)
+        pilot = Pilot(pilot_id, str(job.job_id), directory, submitted_at, self.config.time_limit_minutes * 60.0)
+        self.pilots_submitted += 1
         (directory / "pilot.json").write_text(json.dumps({"job_id": pilot.job_id, "submitted_at": pilot.submitted_at,
                                                           "time_limit_seconds": pilot.time_limit_seconds}))
         self.pilots[pilot_id] = pilot
@@ -135,7 +138,7 @@ class SlurmBackend(Backend):
         info_path, token_path = pilot.directory / "agent" / "agent.json", pilot.directory / "agent" / "token"
         try:
             while not (info_path.exists() and token_path.exists()):
-                await self._refresh(force=time.monotonic() - pilot.submitted_at > 1)
+                await self._refresh(force=time.time() - pilot.submitted_at > 1)
                 if not pilot.alive:
                     return
                 if time.monotonic() > deadline:

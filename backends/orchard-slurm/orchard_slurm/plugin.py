@@ -1,4 +1,5 @@
-"""Registers the Slurm backend through the ``orchard`` entry-point group, like any third party."""
+"""Registers the Slurm backend (and its ``orchard bench slurm``) through the ``orchard``
+entry-point group, like any third party. Imports stay inside the hooks: agents load plugins too."""
 
 from orchard.hookspecs import hookimpl
 
@@ -8,3 +9,10 @@ def orchard_register_backends(register):
     from orchard_slurm.backend import SlurmBackend
 
     register(SlurmBackend)
+
+
+@hookimpl
+def orchard_add_commands(cli):
+    from orchard_slurm.cli import bench_slurm
+
+    cli.commands["bench"].add_command(bench_slurm)
