@@ -10,20 +10,19 @@ kills everything in the sandbox.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import shutil
-import signal
 from pathlib import Path
 from typing import Optional
 
 from orchard.agent.files import SandboxFiles
 from orchard.agent.images import ResolvedImage
 from orchard.agent.runtimes.api import IsolationRuntime
-from orchard.agent.runtimes.mounts import mount, unmount
+from orchard.agent.runtimes.holder import HOLD_ARGS, launcher_prefix, spawn_holder, stop_held
+from orchard.agent.runtimes.layers import image_workdir, writable_root
 from orchard.agent.sandbox import Placement, SandboxState
-from orchard.errors import ImageRejected, QuotaExceeded, RuntimeUnavailable
+from orchard.errors import QuotaExceeded
 from orchard.quantities import parse_bytes, parse_cpu
 
 # Read-only host paths the ``host`` image exposes; nothing else of the host is visible.
@@ -132,111 +131,25 @@ class BwrapRuntime(IsolationRuntime):
 
     def _rootfs_args(self, sandbox: SandboxState, image: ResolvedImage, disk: Optional[int],
                      owner: Optional[tuple[int, int]], placement: Placement) -> list[str]:
-        if owner is None:
-            raise RuntimeUnavailable("root-filesystem images need a root agent (for the overlayfs writable layer)")
-        assert image.rootfs is not None
-        sandbox.state_dir.mkdir(mode=0o700)  # only images with a writable layer need one
-        os.chown(sandbox.state_dir, *owner)
-        layer, root = sandbox.state_dir / "layer", sandbox.state_dir / "root"
-        layer.mkdir()
-        root.mkdir()
-        try:
-            if disk:
-                mount("tmpfs", layer, "tmpfs", f"size={disk},mode=0700,uid={owner[0]},gid={owner[1]}")
-                placement.mounts.insert(0, layer)
-            for sub in ("upper", "work"):
-                (layer / sub).mkdir()
-                os.chown(layer / sub, *owner)
-            mount("overlay", root, "overlay",
-                  f"lowerdir={image.rootfs},upperdir={layer / 'upper'},workdir={layer / 'work'}")
-            placement.mounts.insert(0, root)
-            os.chown(root, *owner)
-        except OSError as exc:
-            raise ImageRejected(f"cannot build the writable layer of {image.reference}: {exc}") from None
+        root = writable_root(sandbox, image, disk, owner, placement)
         placement.env = {"HOME": "/root", **image.env}
-        workdir = image.workdir
-        if not workdir or workdir == "/":
-            workdir = "/workspace" if (root / "workspace").is_dir() else "/"
-        placement.default_cwd = workdir
+        placement.default_cwd = image_workdir(image, root)
         return ["--bind", str(root), "/", "--proc", "/proc", "--dev", "/dev",
                 "--ro-bind", str(self.context.settings.share_dir / "hosts"), "/etc/hosts"]
 
     async def _spawn_holder(self, sandbox: SandboxState, args: list[str], owner: Optional[tuple[int, int]]) -> None:
         helper = str(self.context.helper)
-        prefix = [helper]
-        if sandbox.cgroup is not None:
-            for procs in sandbox.cgroup.procs_files:
-                prefix += ["--cgroup", procs]
-        if owner:
-            prefix += ["--uid", str(owner[0]), "--gid", str(owner[1])]
-        argv = [*prefix, "--", "bwrap", *self._namespace_args(sandbox), *args,
-                "--ro-bind", helper, "/dev/.orchard-hold", "--info-fd", "4",
-                "--", "/dev/.orchard-hold", "--hold", "--ready-fd", "3"]
-        ready_r, ready_w = os.pipe()
-        info_r, info_w = os.pipe()
-        log_fd = os.memfd_create("holder-log", os.MFD_CLOEXEC)
-        try:
-            pid = os.posix_spawn(helper, argv, {"PATH": DEFAULT_PATH}, file_actions=[
-                (os.POSIX_SPAWN_OPEN, 0, "/dev/null", os.O_RDONLY, 0),
-                (os.POSIX_SPAWN_DUP2, log_fd, 1), (os.POSIX_SPAWN_DUP2, log_fd, 2),
-                (os.POSIX_SPAWN_DUP2, ready_w, 3), (os.POSIX_SPAWN_DUP2, info_w, 4),
-            ], setsid=True, setsigdef=(signal.SIGPIPE, signal.SIGXFSZ))
-        finally:
-            for fd in (ready_w, info_w):
-                os.close(fd)
-        sandbox.placement.holder_pid = pid
-        exited = self.context.reaper.wait(pid)
-        try:
-            ready = await asyncio.wait_for(self._read_ready(ready_r, exited), self.context.settings.ready_timeout)
-            if not ready:
-                message = os.pread(log_fd, 65536, 0).decode(errors="replace").strip() or "no message"
-                raise RuntimeUnavailable(f"bubblewrap failed: {message}")
-            info = json.loads(os.read(info_r, 65536).decode())
-        except asyncio.TimeoutError:
-            raise RuntimeUnavailable("sandbox holder did not become ready in time") from None
-        finally:
-            for fd in (ready_r, info_r, log_fd):
-                os.close(fd)
+        argv = [*launcher_prefix(self.context, sandbox, owner), "bwrap", *self._namespace_args(sandbox), *args,
+                "--ro-bind", helper, "/dev/.orchard-hold", "--info-fd", "4", "--", "/dev/.orchard-hold", *HOLD_ARGS]
+        info = json.loads(await spawn_holder(self.context, sandbox, argv, {"PATH": DEFAULT_PATH}, "bubblewrap",
+                                             info_fd=True))
+        assert sandbox.placement is not None
         sandbox.placement.target_pid = int(info["child-pid"])
         sandbox.placement.root = f"/proc/{sandbox.placement.target_pid}/root"
-        sandbox.holder_exit = exited
-
-    async def _read_ready(self, fd: int, exited: "asyncio.Future[int]") -> bool:
-        loop = asyncio.get_running_loop()
-        readable = loop.create_future()
-        loop.add_reader(fd, lambda: readable.done() or readable.set_result(None))
-        try:
-            await asyncio.wait([readable, exited], return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            loop.remove_reader(fd)
-        return readable.done() and os.read(fd, 16) == b"ready\n"
 
     def _has(self, placement: Placement, path: str) -> bool:
         return SandboxFiles(placement.root, None).exists(path)
 
     # -- stop ----------------------------------------------------------------------
     async def stop(self, sandbox: SandboxState) -> None:
-        placement = sandbox.placement
-        if placement is not None:
-            for pid in (placement.target_pid, placement.holder_pid):
-                if pid:
-                    try:
-                        os.kill(pid, signal.SIGKILL)  # PID 1 of the namespace: the kernel kills the rest
-                    except ProcessLookupError:
-                        pass
-        exit_future = getattr(sandbox, "holder_exit", None)
-        if exit_future is not None:
-            try:
-                await asyncio.wait_for(asyncio.shield(exit_future), 5)
-            except asyncio.TimeoutError:
-                pass
-        if sandbox.cgroup is not None:
-            for _ in range(50):
-                sandbox.cgroup.kill_all()
-                if sandbox.cgroup.remove():
-                    break
-                await asyncio.sleep(0.02)
-        if placement is not None:
-            for target in placement.mounts:
-                unmount(target)
-        shutil.rmtree(sandbox.state_dir, ignore_errors=True)
+        await stop_held(sandbox)

@@ -1,0 +1,108 @@
+"""Sandboxes held by one long-lived process: ``orchard-enter --hold`` as PID 1 of the
+sandbox's namespaces, started through a container tool (bubblewrap, ch-run, ...).
+
+Every command then joins the holder's namespaces with ``orchard-enter --target``, so an
+exec costs a fork and a few setns calls whatever tool built the sandbox, and killing the
+holder kills everything in it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+from typing import Optional
+
+from orchard.agent.runtimes.api import RuntimeContext
+from orchard.agent.runtimes.mounts import unmount
+from orchard.agent.sandbox import SandboxState
+from orchard.errors import RuntimeUnavailable
+
+HOLD_ARGS = ["--hold", "--ready-fd", "3"]  # what follows the holder's path inside the sandbox
+
+
+def launcher_prefix(context: RuntimeContext, sandbox: SandboxState, owner: Optional[tuple[int, int]]) -> list[str]:
+    """``orchard-enter`` putting the tool into the sandbox's cgroup, as ``owner`` when given."""
+    prefix = [str(context.helper)]
+    if sandbox.cgroup is not None:
+        for procs in sandbox.cgroup.procs_files:
+            prefix += ["--cgroup", procs]
+    if owner:
+        prefix += ["--uid", str(owner[0]), "--gid", str(owner[1])]
+    return [*prefix, "--"]
+
+
+async def spawn_holder(context: RuntimeContext, sandbox: SandboxState, argv: list[str], env: dict[str, str],
+                       tool: str, info_fd: bool = False) -> bytes:
+    """Spawn ``argv`` (ending in the holder, which writes "ready" to fd 3) and wait until the
+    holder is ready; raise RuntimeUnavailable with the tool's own message if it is not.
+    Returns what the tool wrote to fd 4 when ``info_fd`` (bubblewrap's --info-fd)."""
+    assert sandbox.placement is not None
+    ready_r, ready_w = os.pipe()
+    info_r, info_w = os.pipe()
+    log_fd = os.memfd_create("holder-log", os.MFD_CLOEXEC)
+    actions = [(os.POSIX_SPAWN_OPEN, 0, "/dev/null", os.O_RDONLY, 0),
+               (os.POSIX_SPAWN_DUP2, log_fd, 1), (os.POSIX_SPAWN_DUP2, log_fd, 2), (os.POSIX_SPAWN_DUP2, ready_w, 3)]
+    if info_fd:
+        actions.append((os.POSIX_SPAWN_DUP2, info_w, 4))
+    try:
+        pid = os.posix_spawn(argv[0], argv, env, file_actions=actions, setsid=True,
+                             setsigdef=(signal.SIGPIPE, signal.SIGXFSZ))
+    finally:
+        for fd in (ready_w, info_w):
+            os.close(fd)
+    sandbox.placement.holder_pid = pid
+    exited = context.reaper.wait(pid)
+    try:
+        ready = await asyncio.wait_for(_read_ready(ready_r, exited), context.settings.ready_timeout)
+        if not ready:
+            message = os.pread(log_fd, 65536, 0).decode(errors="replace").strip() or "no message"
+            raise RuntimeUnavailable(f"{tool} failed: {message}")
+        info = os.read(info_r, 65536) if info_fd else b""
+    except asyncio.TimeoutError:
+        raise RuntimeUnavailable("sandbox holder did not become ready in time") from None
+    finally:
+        for fd in (ready_r, info_r, log_fd):
+            os.close(fd)
+    sandbox.holder_exit = exited
+    return info
+
+
+async def _read_ready(fd: int, exited: "asyncio.Future[int]") -> bool:
+    loop = asyncio.get_running_loop()
+    readable = loop.create_future()
+    loop.add_reader(fd, lambda: readable.done() or readable.set_result(None))
+    try:
+        await asyncio.wait([readable, exited], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        loop.remove_reader(fd)
+    return readable.done() and os.read(fd, 16) == b"ready\n"
+
+
+async def stop_held(sandbox: SandboxState) -> None:
+    """Kill the holder (PID 1 of the namespace: the kernel kills the rest), then remove
+    the sandbox's cgroup, mounts and state directory."""
+    placement = sandbox.placement
+    if placement is not None:
+        for pid in (placement.target_pid, placement.holder_pid):
+            if pid:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+    if sandbox.holder_exit is not None:
+        try:
+            await asyncio.wait_for(asyncio.shield(sandbox.holder_exit), 5)
+        except asyncio.TimeoutError:
+            pass
+    if sandbox.cgroup is not None:
+        for _ in range(50):
+            sandbox.cgroup.kill_all()
+            if sandbox.cgroup.remove():
+                break
+            await asyncio.sleep(0.02)
+    if placement is not None:
+        for target in placement.mounts:
+            unmount(target)
+    shutil.rmtree(sandbox.state_dir, ignore_errors=True)
