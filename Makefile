@@ -4,9 +4,10 @@ VENV ?= .venv
 PIP := $(VENV)/bin/pip
 # Debian packages: bubblewrap (isolation), skopeo + umoci (docker:// images), docker-registry and
 # busybox-static (a real registry and images for tests), gcc + libc6-dev (the static orchard-enter helper and
-# the bundle launcher), debootstrap (foreign root filesystems for the agent-bundle tests), binutils (strip).
+# the bundle launcher), debootstrap (foreign root filesystems for the agent-bundle tests), binutils (strip),
+# charliecloud-runtime (ch-run: the Slurm backend's charliecloud runtime, tested for real).
 SYSTEM_PACKAGES := bubblewrap skopeo umoci docker-registry busybox-static gcc libc6-dev iproute2 git procps util-linux \
-	debootstrap dash binutils
+	debootstrap dash binutils charliecloud-runtime
 TORCH_VERSION := 2.13.0
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from typing import Optional
 
 _BINARY = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50}
 _DECIMAL = {"": 1, "k": 10**3, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15}
@@ -36,3 +37,8 @@ def parse_bytes(value: str | int) -> int:
     if size <= 0:
         raise ValueError(f"size must be positive, got {value!r}")
     return int(size)
+
+
+def optional_bytes(value: Optional[str]) -> Optional[int]:
+    """``parse_bytes`` for a setting that may be unset."""
+    return parse_bytes(value) if value else None

@@ -44,12 +44,13 @@ async def pilots_gone(backend: SlurmBackend, within: float = 30.0) -> float:
     return round(time.perf_counter() - start, 2)
 
 
-async def measure(settings: dict[str, Any], sandboxes: int, samples: int, concurrency: int) -> dict[str, Any]:
-    result: dict[str, Any] = {"runtime": settings.get("runtime", "bwrap"), "sandboxes": sandboxes}
+async def measure(settings: dict[str, Any], image: str, sandboxes: int, samples: int,
+                  concurrency: int) -> dict[str, Any]:
+    result: dict[str, Any] = {"runtime": settings.get("runtime", "bwrap"), "image": image, "sandboxes": sandboxes}
     async with AsyncClient(backend="slurm", backend_settings=settings) as client:
         backend: SlurmBackend = client.backend  # type: ignore[assignment]
         start = time.perf_counter()
-        first = await client.create()
+        first = await client.create(image)
         result["first_sandbox_cold_s"] = round(time.perf_counter() - start, 3)
         pilot = backend.pilots[backend.owner[first.id]]
         result["pilot_start_s"] = round((pilot.ready_at or 0) - pilot.submitted_at, 3)
@@ -57,7 +58,7 @@ async def measure(settings: dict[str, Any], sandboxes: int, samples: int, concur
         ready: list[float] = []
         for _ in range(samples):  # the pilot stays up: `first` lives on it
             start = time.perf_counter()
-            extra = await client.create()
+            extra = await client.create(image)
             ready.append(time.perf_counter() - start)
             await extra.delete()
         result["ready_on_warm_pilot_p50_ms"], result["ready_on_warm_pilot_p90_ms"] = ms(ready, 50), ms(ready, 90)
@@ -77,7 +78,7 @@ async def measure(settings: dict[str, Any], sandboxes: int, samples: int, concur
 
         async def one(index: int) -> Any:
             async with gate:
-                handle = await client.create(sandbox_id=f"bench-{os.getpid()}-{index}")
+                handle = await client.create(image, sandbox_id=f"bench-{os.getpid()}-{index}")
                 job = await handle.exec("echo $((6 * 7))")
                 if job.stdout != "42\n":
                     failures.append(f"{handle.id}: {job.exit_code} {job.stderr[-200:]}")

@@ -1,4 +1,4 @@
-"""Registers the Slurm backend (and its ``orchard bench slurm``) through the ``orchard``
+"""Registers the Slurm backend, its container runtimes and its ``orchard bench slurm`` through the ``orchard``
 entry-point group, like any third party. Imports stay inside the hooks: agents load plugins too."""
 
 from orchard.hookspecs import hookimpl
@@ -9,6 +9,13 @@ def orchard_register_backends(register):
     from orchard_slurm.backend import SlurmBackend
 
     register(SlurmBackend)
+
+
+@hookimpl
+def orchard_register_runtimes(register):
+    from orchard_slurm.runtimes.charliecloud import CharliecloudRuntime
+
+    register(CharliecloudRuntime)
 
 
 @hookimpl

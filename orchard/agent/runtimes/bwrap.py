@@ -23,7 +23,7 @@ from orchard.agent.runtimes.holder import HOLD_ARGS, launcher_prefix, spawn_hold
 from orchard.agent.runtimes.layers import image_workdir, writable_root
 from orchard.agent.sandbox import Placement, SandboxState
 from orchard.errors import QuotaExceeded
-from orchard.quantities import parse_bytes, parse_cpu
+from orchard.quantities import optional_bytes, parse_cpu
 
 # Read-only host paths the ``host`` image exposes; nothing else of the host is visible.
 # Of /etc only an allow-list is copied (see build_host_etc), and bound with a single mount.
@@ -36,10 +36,6 @@ HOST_ETC_ALLOWLIST = (
 )
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 SANDBOX_HOME = "/home/user"
-
-
-def _size(value: Optional[str]) -> Optional[int]:
-    return parse_bytes(value) if value else None
 
 
 def build_host_etc(target: Path, generated: dict[str, str]) -> None:
@@ -82,7 +78,7 @@ class BwrapRuntime(IsolationRuntime):
         privileged = os.geteuid() == 0
         owner = (settings.host_uid, settings.host_gid) if privileged else None
         spec = sandbox.spec
-        disk = _size(spec.disk or settings.default_disk)
+        disk = optional_bytes(spec.disk or settings.default_disk)
         placement = Placement(root="", uid=settings.sandbox_uid, gid=settings.sandbox_gid, file_owner=owner)
         sandbox.placement = placement  # attached first, so a failure below still gets cleaned up
         if image.kind == "host":
@@ -95,7 +91,7 @@ class BwrapRuntime(IsolationRuntime):
         placement.env.update(spec.env)
         if self.context.cgroups.available:
             sandbox.cgroup = self.context.cgroups.create(
-                sandbox.sandbox_id, _size(spec.memory or settings.default_memory), spec.pids or settings.default_pids,
+                sandbox.sandbox_id, optional_bytes(spec.memory or settings.default_memory), spec.pids or settings.default_pids,
                 parse_cpu(spec.cpu) if spec.cpu else None)
         elif spec.memory or spec.pids or spec.cpu:
             raise QuotaExceeded("resource limits were asked for, but no cgroup hierarchy is writable here")

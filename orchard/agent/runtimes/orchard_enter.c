@@ -72,6 +72,25 @@ static void enter_user_ns(int fd, const char *what) {
     current_user_ns = ns;
 }
 
+static int same_ns(int fd, const struct stat *ns) {
+    struct stat st;
+    return fstat(fd, &st) == 0 && st.st_ino == ns->st_ino && st.st_dev == ns->st_dev;
+}
+
+/* Of the user namespaces from ours down to the one behind fd, the first below ours
+   (-1 when fd is ours, or is not below ours). */
+static int outermost_user_ns(int fd) {
+    if (same_ns(fd, &current_user_ns)) return -1;
+    int below = dup(fd);
+    for (;;) {
+        int parent = ioctl(below, NS_GET_PARENT);
+        if (parent < 0) { close(below); return -1; } /* not below ours */
+        if (same_ns(parent, &current_user_ns)) { close(parent); return below; }
+        close(below);
+        below = parent;
+    }
+}
+
 static void drop_all_capabilities(void) {
     for (int cap = 0; cap <= 63; cap++) {
         if (prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) < 0 && errno == EINVAL) break;
@@ -143,16 +162,18 @@ int main(int argc, char **argv) {
     for (int c = 0; c < n_cgroups; c++) join_cgroup(cgroups[c]);
 
     if (target) {
-        /* bwrap may nest the holder's user namespace inside the one that owns the other
-           namespaces: join that owner first (it is ours, so we get its capabilities, even
-           without root), then the others, then the holder's own user namespace. */
+        /* Container tools nest the holder's user namespace inside others that own its
+           other namespaces (bwrap one level, unshare + ch-run three): join the outermost
+           one below ours first (it is ours, so we get its capabilities, and so over
+           everything nested in it, even without root), then the other namespaces, then
+           the holder's own user namespace. */
         static const char *names[] = {"ns/ipc", "ns/uts", "ns/net", "ns/pid", "ns/cgroup", "ns/mnt"};
         if (stat("/proc/self/ns/user", &current_user_ns) < 0) die("stat", "/proc/self/ns/user");
         int user_fd = open_ns(target, "ns/user");
-        int owner_fd = ioctl(user_fd, NS_GET_PARENT);
-        if (owner_fd >= 0) {
-            enter_user_ns(owner_fd, "user namespace owner");
-            close(owner_fd);
+        int outermost = outermost_user_ns(user_fd);
+        if (outermost >= 0) {
+            enter_user_ns(outermost, "outermost user namespace");
+            close(outermost);
         }
         int fds[6];
         for (int k = 0; k < 6; k++) {

@@ -1,0 +1,125 @@
+"""``charliecloud``: each sandbox is a ``ch-run`` container held by ``orchard-enter --hold``.
+
+ch-run gives a user and a mount namespace but shares the host's PID and network
+namespaces. We wrap it in ``unshare`` (a user namespace of our own, so it works for
+unprivileged pilots too) for PID, IPC and UTS namespaces always, and a network namespace
+when the sandbox blocks its network: ``block_network`` is never ignored. Commands join
+the holder with ``orchard-enter --target`` like bubblewrap sandboxes, so an exec costs
+the same. Images are directory trees (the agent's image store unpacks ``docker://``
+references); each sandbox writes to its own overlay layer (root agents).
+"""
+
+from __future__ import annotations
+
+import os
+import pwd
+import shutil
+from pathlib import Path
+from typing import Optional
+
+from orchard.agent.runtimes.api import IsolationRuntime
+from orchard.agent.runtimes.holder import HOLD_ARGS, launcher_prefix, spawn_holder, stop_held
+from orchard.agent.runtimes.layers import image_workdir, writable_root
+from orchard.agent.sandbox import Placement, SandboxState
+from orchard.errors import InvalidRequest, QuotaExceeded, RuntimeUnavailable
+from orchard.quantities import optional_bytes, parse_cpu
+
+DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+HOLD_PATH = "/.orchard-hold"  # bind target of the holder binary inside the container
+CH_RUN_DIRS = ("dev", "proc", "sys", "tmp", "etc", "home", "mnt")
+CH_RUN_FILES = ("etc/hosts", "etc/resolv.conf", "etc/passwd", "etc/group")
+
+
+def unshare_args(block_network: bool) -> list[str]:
+    """Namespaces ch-run does not make: PID (with its own /proc), IPC, UTS, and network when asked."""
+    args = ["unshare", "--user", "--map-current-user", "--pid", "--mount-proc", "--ipc", "--uts", "--fork",
+            "--kill-child"]
+    return args + (["--net"] if block_network else [])
+
+
+def ch_run_args(root: Path, helper: Path) -> list[str]:
+    """ch-run on the sandbox's writable root, with a private /tmp and the holder bound in."""
+    return ["ch-run", "--write", "--private-tmp", "--bind", f"{helper}:{HOLD_PATH}", str(root), "--", HOLD_PATH,
+            *HOLD_ARGS]
+
+
+def ensure_mount_points(root: Path) -> None:
+    """What ch-run binds onto must exist in the image; minimal images lack some (written
+    to the sandbox's own layer, never to the shared image)."""
+    for name in CH_RUN_DIRS:
+        (root / name).mkdir(exist_ok=True)
+    for name in CH_RUN_FILES:
+        if not (root / name).exists() and not (root / name).is_symlink():
+            (root / name).touch()
+    (root / HOLD_PATH.lstrip("/")).touch()
+
+
+def find_holder(pid: int) -> Optional[int]:
+    """The holder among ``pid``'s descendants (unshare forks it; ch-run execs into it)."""
+    pending = [pid]
+    while pending:
+        current = pending.pop()
+        try:
+            if Path(f"/proc/{current}/cmdline").read_bytes().split(b"\0")[0] == HOLD_PATH.encode():
+                return current
+            for task in Path(f"/proc/{current}/task").iterdir():
+                pending += [int(child) for child in (task / "children").read_text().split()]
+        except OSError:
+            continue
+    return None
+
+
+class CharliecloudRuntime(IsolationRuntime):
+    name = "charliecloud"
+
+    @classmethod
+    def unavailable_reason(cls) -> Optional[str]:
+        missing = [tool for tool in ("ch-run", "unshare") if shutil.which(tool) is None]
+        if missing:
+            return f"not installed: {', '.join(missing)} (apt-get install charliecloud-runtime util-linux)"
+        return None
+
+    async def start(self, sandbox: SandboxState) -> None:
+        settings, spec = self.context.settings, sandbox.spec
+        image = await self.context.images.resolve(spec.image)
+        if image.kind == "host":
+            raise InvalidRequest("the charliecloud runtime runs directory images: ask for a docker:// reference or "
+                                 "an image directory, not 'host'")
+        owner = (settings.host_uid, settings.host_gid) if os.geteuid() == 0 else None
+        ids = owner or (os.getuid(), os.getgid())
+        placement = Placement(root="", uid=ids[0], gid=ids[1], file_owner=owner)  # ch-run maps our uid to itself
+        sandbox.placement = placement  # attached first, so a failure below still gets cleaned up
+        root = writable_root(sandbox, image, optional_bytes(spec.disk or settings.default_disk),
+                             owner, placement)
+        ensure_mount_points(root)
+        if (root / "root").is_dir():
+            os.chown(root / "root", *ids)  # HOME, writable by the sandbox user (a copy-up in the overlay)
+        placement.env = {"HOME": "/root", "PATH": DEFAULT_PATH, **image.env, **spec.env}
+        placement.default_cwd = image_workdir(image, root)
+        if self.context.cgroups.available:
+            sandbox.cgroup = self.context.cgroups.create(
+                sandbox.sandbox_id, optional_bytes(spec.memory or settings.default_memory),
+                spec.pids or settings.default_pids, parse_cpu(spec.cpu) if spec.cpu else None)
+        elif spec.memory or spec.pids or spec.cpu:
+            raise QuotaExceeded("resource limits were asked for, but no cgroup hierarchy is writable here")
+        argv = [*launcher_prefix(self.context, sandbox, owner), *unshare_args(spec.block_network),
+                "--", *ch_run_args(root, self.context.helper)]
+        env = {"PATH": DEFAULT_PATH, "USER": pwd.getpwuid(ids[0]).pw_name if _known(ids[0]) else "orchard"}
+        await spawn_holder(self.context, sandbox, [shutil.which(argv[0]) or argv[0], *argv[1:]], env, "ch-run")
+        holder = find_holder(placement.holder_pid or 0)
+        if holder is None:
+            raise RuntimeUnavailable("ch-run started, but its holder process was not found")
+        placement.target_pid = holder
+        placement.root = f"/proc/{holder}/root"
+        placement.shell = "bash" if (root / "bin" / "bash").exists() else "sh"
+
+    async def stop(self, sandbox: SandboxState) -> None:
+        await stop_held(sandbox)
+
+
+def _known(uid: int) -> bool:
+    try:
+        pwd.getpwuid(uid)
+        return True
+    except KeyError:
+        return False

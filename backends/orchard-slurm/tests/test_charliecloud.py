@@ -1,0 +1,92 @@
+"""The charliecloud runtime for real: pilots on the dev cluster run each sandbox in a
+ch-run container (wrapped in PID/IPC/UTS and, when asked, network namespaces), and
+commands join it through orchard-enter like bubblewrap sandboxes."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from orchard.bench.measure import count_processes
+from orchard.client import Client
+from orchard.errors import InvalidRequest
+from slurm_testing import slurm_settings, wait_until_no_jobs
+
+BUSYBOX = Path("/bin/busybox")
+
+
+def busybox_image(target: Path) -> Path:
+    """A directory image of busybox-static alone: no libc, no mount points for ch-run."""
+    (target / "bin").mkdir(parents=True)
+    shutil.copy2(BUSYBOX, target / "bin" / "busybox")
+    for applet in subprocess.run([str(BUSYBOX), "--list"], capture_output=True, text=True, check=True).stdout.split():
+        if applet != "busybox":
+            (target / "bin" / applet).symlink_to("busybox")
+    (target / "root").mkdir()
+    return target
+
+
+def holders() -> int:
+    """Processes that are a sandbox's holder (argv[0] is the holder's path in the container)."""
+    count = 0
+    for entry in Path("/proc").iterdir():
+        try:
+            count += entry.name.isdigit() and (entry / "cmdline").read_bytes().startswith(b"/.orchard-hold\0")
+        except OSError:
+            continue
+    return count
+
+
+@pytest.fixture(scope="module")
+def charliecloud(slurm_cluster):
+    if shutil.which("ch-run") is None:
+        pytest.fail("ch-run is not installed: make system-deps installs charliecloud-runtime")
+    settings = slurm_settings(runtime="charliecloud", sandboxes_per_pilot=8, max_pilots=1, pilot_idle_seconds=30)
+    image = busybox_image(Path(settings["shared_dir"]) / "busybox-image")
+    client = Client(backend="slurm", backend_settings=settings)
+    yield client, str(image)
+    client.close()
+    assert wait_until_no_jobs(settings["job_name"]) == []
+
+
+def test_commands_run_in_the_image_with_pid_namespace_and_state_across_commands(charliecloud):
+    client, image = charliecloud
+    before = holders()
+    with client.create(image) as sandbox:
+        assert sandbox.exec("busybox | head -1").stdout.startswith("BusyBox")
+        assert sandbox.exec("test -e /usr/bin/python3 || echo no-host-python").stdout == "no-host-python\n"
+        assert sandbox.exec("ls /proc | grep -c '^[0-9]'").stdout.strip() in {"2", "3", "4"}  # PID 1 and us
+        assert sandbox.exec(f"kill -0 {os.getpid()} 2>/dev/null || echo invisible").stdout == "invisible\n"
+        sandbox.exec("sleep 1000 & echo $! > /tmp/sleeper")
+        assert sandbox.exec("kill -0 $(cat /tmp/sleeper) && echo alive").stdout == "alive\n"
+        assert sandbox.exec("echo $HOME; touch ~/written && echo home-ok").stdout == "/root\nhome-ok\n"
+        job = sandbox.exec("sleep 300 & sleep 300", timeout=1)
+        assert job.exit_code == 124 and job.error_type == "timeout"
+        sandbox.upload("data/in.txt", "through the agent\n")
+        assert sandbox.exec("cat data/in.txt").stdout == "through the agent\n"
+        sandbox.exec("echo made-inside > out.txt")
+        assert sandbox.download("out.txt") == b"made-inside\n"
+        assert holders() == before + 1
+    assert holders() == before and count_processes("sleep 1000") == 0
+
+
+def test_block_network_is_a_network_namespace_not_ignored(charliecloud):
+    client, image = charliecloud
+    with client.create(image) as blocked, client.create(image, block_network=False) as open_:
+        interfaces = "grep -c : /proc/net/dev"  # one line per interface
+        assert blocked.exec(interfaces).stdout == "1\n"  # lo only
+        assert int(open_.exec(interfaces).stdout) == int(Path("/proc/net/dev").read_text().count(":"))
+
+
+def test_sandboxes_do_not_see_each_other_and_host_image_is_refused_clearly(charliecloud):
+    client, image = charliecloud
+    with client.create(image) as first, client.create(image) as second:
+        first.exec("echo mine > /tmp/private; sleep 1000 & echo started")
+        assert second.exec("cat /tmp/private 2>/dev/null || echo absent").stdout == "absent\n"
+        assert "sleep 1000" not in second.exec("ps").stdout
+    with pytest.raises(InvalidRequest, match="charliecloud runtime runs directory images"):
+        client.create("host")
