@@ -13,8 +13,10 @@ def orchard_register_backends(register):
 
 @hookimpl
 def orchard_register_runtimes(register):
+    from orchard_slurm.runtimes.apptainer import ApptainerRuntime
     from orchard_slurm.runtimes.charliecloud import CharliecloudRuntime
 
+    register(ApptainerRuntime)
     register(CharliecloudRuntime)
 
 

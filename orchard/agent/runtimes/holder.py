@@ -22,10 +22,11 @@ from orchard.errors import RuntimeUnavailable
 HOLD_ARGS = ["--hold", "--ready-fd", "3"]  # what follows the holder's path inside the sandbox
 
 
-def launcher_prefix(context: RuntimeContext, sandbox: SandboxState, owner: Optional[tuple[int, int]]) -> list[str]:
+def launcher_prefix(context: RuntimeContext, sandbox: Optional[SandboxState],
+                    owner: Optional[tuple[int, int]]) -> list[str]:
     """``orchard-enter`` putting the tool into the sandbox's cgroup, as ``owner`` when given."""
     prefix = [str(context.helper)]
-    if sandbox.cgroup is not None:
+    if sandbox is not None and sandbox.cgroup is not None:
         for procs in sandbox.cgroup.procs_files:
             prefix += ["--cgroup", procs]
     if owner:
