@@ -4,14 +4,11 @@ directory and a job name of its own per test, so leftovers are found by name."""
 from __future__ import annotations
 
 import subprocess
-from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
 
-from slurm_testing import slurm_settings, wait_until_no_jobs
-
-REPO = Path(__file__).resolve().parents[3]
+from slurm_testing import REPO, slurm_settings, wait_until_no_jobs
 
 
 @pytest.fixture(scope="session")

@@ -9,6 +9,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+REPO = Path(__file__).resolve().parents[3]
+
 
 def squeue_jobs(name: str) -> list[str]:
     """Live jobs with this name (ending ones, COMPLETING, excluded)."""
