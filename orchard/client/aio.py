@@ -41,10 +41,27 @@ def _raise_for(job: Job) -> Job:
     return job
 
 
+class GoneAgent:
+    """Stands in for the agent of a sandbox lost together with it: every call raises why."""
+
+    def __init__(self, error: SandboxLost) -> None:
+        self.error = error
+
+    async def request(self, *args: Any, **kwargs: Any) -> Any:
+        raise self.error
+
+    async def stream(self, *args: Any, **kwargs: Any) -> AsyncIterator[dict]:
+        raise self.error
+        yield {}  # pragma: no cover - makes this an async generator
+
+    async def close(self) -> None:
+        return None
+
+
 class AsyncSandbox:
     """A handle on one sandbox. ``async with`` deletes it on the way out, whatever happens."""
 
-    def __init__(self, client: "AsyncClient", info: Sandbox, api: Union[ApiClient, ScopedApi]) -> None:
+    def __init__(self, client: "AsyncClient", info: Sandbox, api: Union[ApiClient, ScopedApi, GoneAgent]) -> None:
         self.client = client
         self.info = info
         self.api = api
@@ -226,7 +243,11 @@ class AsyncClient:
 
     async def get(self, sandbox_id: str) -> AsyncSandbox:
         info = await self.status(sandbox_id)
-        return AsyncSandbox(self, info, await self._agent_for(sandbox_id))
+        try:
+            api: Union[ApiClient, ScopedApi, GoneAgent] = await self._agent_for(sandbox_id)
+        except SandboxLost as exc:  # lost with its agent (a Slurm pilot that ended): the handle still reads
+            api = GoneAgent(exc)
+        return AsyncSandbox(self, info, api)
 
     async def status(self, sandbox_id: str) -> Sandbox:
         if self._remote is not None:

@@ -5,6 +5,10 @@ pilot has hosted nothing for ``pilot_idle_seconds``. A pilot whose job ends (sca
 time limit, node failure, preemption) takes its sandboxes with it: they are reported
 ``lost`` with the Slurm state, and the next create submits a fresh pilot. Pilot records
 live in the shared directory, so a restarted service adopts the pilots still running.
+
+In per-job mode every sandbox gets a Slurm job of its own (a "pilot" of one, cancelled
+when its sandbox is deleted) whose container runs the agent from the agent bundle
+(see ``perjob.py``); placement, states, lost reasons and orphans work the same way.
 """
 
 from __future__ import annotations
@@ -22,10 +26,12 @@ from typing import Any, Optional
 
 from orchard.backends.api import AgentEndpoint, Backend
 from orchard.client.http import ApiClient
-from orchard.errors import AgentUnreachable, BackendUnavailable, OrchardError, SandboxLost, SandboxNotFound
+from orchard.errors import (AgentUnreachable, BackendUnavailable, InvalidRequest, OrchardError, SandboxLost,
+                            SandboxNotFound)
 from orchard.models import Sandbox, SandboxSpec
 from orchard_slurm import slurm
 from orchard_slurm.config import SlurmConfig
+from orchard_slurm.perjob import SandboxJob, run_sandbox_job
 from orchard_slurm.pilot import read_stop_record, run_pilot
 
 log = logging.getLogger(__name__)
@@ -116,14 +122,20 @@ class SlurmBackend(Backend):
         executor.update_parameters(**parameters)
         return executor
 
-    async def _submit(self) -> Pilot:
+    async def _submit(self, spec: Optional[SandboxSpec] = None) -> Pilot:
+        """Submit a pilot, or (per-job mode, given the sandbox's spec) the job of one sandbox."""
         pilot_id = f"pilot-{secrets.token_hex(4)}"
         directory = self.pilots_dir / pilot_id
         directory.mkdir(parents=True)
         directory.chmod(0o711)  # sandbox roots below must be reachable by the sandbox uid; the token file is 0600
+        if spec is None:
+            call: tuple = (run_pilot, str(directory), self.config.runtime, self.config.agent_host,
+                           self.config.sandboxes_per_pilot)
+        else:
+            call = (run_sandbox_job, SandboxJob(str(directory), str(spec.sandbox_id), spec.image, self.config.runtime,
+                                                spec.block_network, str(await self._bundle()), self.config.agent_host))
         submitted_at = time.time()
-        job = await asyncio.to_thread(self._executor().submit, run_pilot, str(directory), self.config.runtime,
-                                      self.config.agent_host, self.config.sandboxes_per_pilot)
+        job = await asyncio.to_thread(self._executor().submit, *call)
         pilot = Pilot(pilot_id, str(job.job_id), directory, submitted_at, self.config.time_limit_minutes * 60.0)
         self.pilots_submitted += 1
         (directory / "pilot.json").write_text(json.dumps({"job_id": pilot.job_id, "submitted_at": pilot.submitted_at,
@@ -140,6 +152,10 @@ class SlurmBackend(Backend):
             while not (info_path.exists() and token_path.exists()):
                 await self._refresh(force=time.time() - pilot.submitted_at > 1)
                 if not pilot.alive:
+                    container_log = pilot.directory / "container.log"  # per-job: why the container did not start
+                    if container_log.exists():
+                        pilot.failure = (f"sandbox job {pilot.job_id} ended ({pilot.state}) before its agent "
+                                         f"started: {container_log.read_text(errors='replace')[-1500:].strip()}")
                     return
                 if time.monotonic() > deadline:
                     pilot.failure = f"pilot job {pilot.job_id} had no agent after {self.config.pilot_start_timeout:.0f} s"
@@ -193,11 +209,36 @@ class SlurmBackend(Backend):
                 pilot.sandboxes.add(item["sandbox_id"])
                 self.owner[item["sandbox_id"]] = pilot.pilot_id
 
-    async def _place(self) -> Pilot:
-        """A live pilot with room and walltime left, else a new one (bounded by max_pilots)."""
+    async def _bundle(self) -> Path:
+        """Per-job mode: the agent bundle the containers run, built once into the shared directory."""
+        bundle = self.config.bundle_dir or self.config.shared_dir / "agent-bundle"
+        if not (bundle / "orchard-bundle.json").exists():
+            from orchard.bundle.build import build_bundle
+
+            log.info("building the agent bundle into %s", bundle)
+            await asyncio.to_thread(build_bundle, bundle, True)
+        return bundle
+
+    def _check_per_job_image(self, image: str) -> None:
+        if self.config.runtime == "apptainer":
+            if image == "host":
+                raise InvalidRequest("per-job mode runs each sandbox in its own container: ask for an image")
+        elif not Path(image).is_dir():
+            raise InvalidRequest(f"per-job mode with {self.config.runtime} containers runs directory images; "
+                                 f"{image!r} is not a directory")
+
+    async def _place(self, spec: SandboxSpec) -> Pilot:
+        """A live pilot with room and walltime left, else a new one (bounded by max_pilots);
+        in per-job mode always a new job for this sandbox."""
         async with self._pool:
             await self._adopt()
             await self._refresh()
+            if self.config.mode == "per-job":
+                live = sum(1 for p in self.pilots.values() if p.alive)
+                if live >= self.config.max_pilots:
+                    raise BackendUnavailable(f"{live} sandbox jobs are running and max_pilots is "
+                                             f"{self.config.max_pilots} (per-job mode: one job per sandbox)")
+                return await self._submit(spec)
             margin = self.config.min_remaining_minutes * 60 + self.config.stop_margin_seconds
             for pilot in sorted(self.pilots.values(), key=lambda p: p.submitted_at):
                 if (pilot.alive and len(pilot.sandboxes) < self.config.sandboxes_per_pilot
@@ -218,7 +259,8 @@ class SlurmBackend(Backend):
                 continue
             if pilot.sandboxes or pilot.url is None:
                 continue
-            if now - pilot.idle_since >= self.config.pilot_idle_seconds:
+            idle_limit = 0 if self.config.mode == "per-job" else self.config.pilot_idle_seconds
+            if now - pilot.idle_since >= idle_limit:
                 await slurm.cancel(pilot.job_id)
                 pilot.state = "CANCELLED"
                 self._forget(pilot)
@@ -246,7 +288,9 @@ class SlurmBackend(Backend):
         known = self.pilots.get(self.owner.get(sandbox_id, ""))
         if known is not None:  # the same id again: its agent answers (idempotent, or a conflict)
             return await self._create_on(known, spec)
-        pilot = await self._place()
+        if self.config.mode == "per-job":
+            self._check_per_job_image(spec.image)
+        pilot = await self._place(spec)
         pilot.sandboxes.add(sandbox_id)  # reserved before the agent answers, so packing counts it
         self.owner[sandbox_id] = pilot.pilot_id
         try:
@@ -261,9 +305,11 @@ class SlurmBackend(Backend):
         await asyncio.wait_for(pilot.ready.wait(), self.config.pilot_start_timeout + 5)
         if pilot.api is None or not pilot.alive:
             raise BackendUnavailable(f"no agent on {pilot.lost_reason()}")
-        body = await pilot.api.request("POST", "/sandboxes", json_body=spec.model_dump(),
+        # per-job: the container is the image, and the agent inside it runs commands in place
+        asked = spec.model_copy(update={"image": "host"}) if self.config.mode == "per-job" else spec
+        body = await pilot.api.request("POST", "/sandboxes", json_body=asked.model_dump(),
                                        timeout=(spec.timeout or 60) + 30)
-        return Sandbox(**{**body, "backend": self.name})
+        return Sandbox(**{**body, "image": spec.image, "backend": self.name})
 
     async def delete(self, sandbox_id: str) -> None:
         pilot = self._pilot_of(sandbox_id)

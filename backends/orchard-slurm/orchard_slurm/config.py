@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
+from typing import Literal, Optional
 
 from pydantic import Field
 
@@ -15,6 +15,11 @@ class SlurmConfig(BackendConfig):
     shared_dir: Path = Field(default_factory=lambda: default_state_dir() / "slurm",
                              description="a directory the service and the compute nodes both see (pilot addresses, "
                                          "tokens, submitit's files)")
+    mode: Literal["pilot", "per-job"] = Field("pilot", description="pilot: pilot jobs host many sandboxes; "
+                                                                   "per-job: one Slurm job per sandbox, the agent "
+                                                                   "inside its container")
+    bundle_dir: Optional[Path] = Field(None, description="per-job mode: the agent bundle the containers run "
+                                                         "(default: built once into shared_dir/agent-bundle)")
     partition: Optional[str] = None
     account: Optional[str] = None
     qos: Optional[str] = None
@@ -25,7 +30,8 @@ class SlurmConfig(BackendConfig):
     cpus_per_pilot: int = Field(1, gt=0)
     mem_per_pilot_gb: float = Field(2.0, gt=0)
     gpus_per_pilot: int = Field(0, ge=0)
-    runtime: str = Field("bwrap", description="the agent's isolation runtime on the compute nodes")
+    runtime: str = Field("bwrap", description="pilot mode: the agents' isolation runtime; per-job mode: the "
+                                              "container (bwrap, charliecloud or apptainer)")
     agent_host: Optional[str] = Field(None, description="address the agents listen on and report "
                                                         "(default: the compute node's hostname)")
     pilot_start_timeout: float = Field(120.0, gt=0, description="seconds to wait for a pilot's agent")

@@ -32,13 +32,17 @@ def free_port(host: str) -> int:
         return probe.getsockname()[1]
 
 
+def write_stop_record(job_dir: Path, signum: int) -> None:
+    record = {"signal": signal.Signals(signum).name, "time": time.time(),
+              "reason": "Slurm's warning signal before the time limit (or preemption)"}
+    (job_dir / STOP_RECORD).write_text(json.dumps(record))
+
+
 def stop_before_time_limit(pilot_dir: Path) -> None:
     """On SIGUSR2: say why in ``stop.json``, then stop the agent as SIGTERM would."""
 
     def handle(signum: int, frame: object) -> None:
-        record = {"signal": signal.Signals(signum).name, "time": time.time(),
-                  "reason": "Slurm's warning signal before the time limit (or preemption)"}
-        (pilot_dir / STOP_RECORD).write_text(json.dumps(record))
+        write_stop_record(pilot_dir, signum)
         os.kill(os.getpid(), signal.SIGTERM)
 
     signal.signal(signal.SIGUSR2, handle)

@@ -3,7 +3,10 @@ directory and a job name of its own per test, so leftovers are found by name."""
 
 from __future__ import annotations
 
+import shutil
 import subprocess
+import tempfile
+from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
@@ -25,3 +28,16 @@ def orchard_backend_settings(slurm_cluster) -> Iterator[dict[str, Any]]:
     left = wait_until_no_jobs(settings["job_name"])
     subprocess.run(["scancel", "-n", settings["job_name"]], check=False)
     assert left == [], f"pilots left running after the conformance suite: {left}"
+
+
+@pytest.fixture(scope="session")
+def agent_bundle() -> Iterator[Path]:
+    """An agent bundle of this checkout's code, for per-job containers (built in ~5 s),
+    somewhere the unprivileged container uid can read."""
+    from orchard.bundle.build import build_bundle
+
+    parent = Path(tempfile.mkdtemp(prefix="orchard-slurm-bundle-", dir="/tmp"))
+    parent.chmod(0o755)
+    build_bundle(parent / "bundle")
+    yield parent / "bundle"
+    shutil.rmtree(parent, ignore_errors=True)

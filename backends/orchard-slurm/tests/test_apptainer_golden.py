@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from orchard_slurm.perjob import SandboxJob, container_argv
 from orchard_slurm.runtimes import spython_calls
 from orchard_slurm.runtimes.apptainer import instance_name, instance_options, pilot_has_gpus, sif_name
 
@@ -76,6 +77,10 @@ def scenario_commands(apptainer: RecordingApptainer, tmp_path: Path) -> dict[str
 
     spython_calls.stop(instance_name("sbx-1"))
     recorded["stop"] = apptainer.commands
+
+    job = SandboxJob("/shared/pilots/pilot-1", "sbx-3", "/images/swe.sif", "apptainer", True, "/shared/agent-bundle")
+    recorded["per-job container: the bundled agent inside, network blocked"] = [
+        container_argv(job, Path(job.image), Path("/shared/pilots/pilot-1/container/run"), True)]
     return recorded
 
 

@@ -56,5 +56,8 @@ def test_service_and_trainer_jobs_find_each_other_and_stop_cleanly(slurm_cluster
     finally:
         subprocess.run(["scancel", service], check=False)
     assert wait_until_no_jobs(service_name, 30) == []
+    deadline = time.monotonic() + 10  # squeue no longer lists it while it is COMPLETING (its trap running)
+    while (shared / "service.url").exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
     assert not (shared / "service.url").exists()  # the service job cleaned up on SIGTERM
     assert squeue_jobs(settings["job_name"]) == []

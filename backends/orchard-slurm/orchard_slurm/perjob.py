@@ -1,0 +1,182 @@
+"""What runs inside a per-job Slurm job: one sandbox, which is one container with the
+exec agent inside it (from the agent bundle, bound read-only at /opt/orchard).
+
+For sites that want Slurm to account every sandbox. The agent listens on a Unix socket
+in a host directory bound into the container, so the container can have a network
+namespace with no interfaces at all when the sandbox blocks its network; this job
+relays TCP on the compute node to that socket and reports the address and a token in
+its folder, as a pilot does. The container's root is a fresh overlay over the image when
+the job runs as root; an unprivileged job runs the image read-only with a private /tmp
+(bubblewrap and Charliecloud 0.31 have no unprivileged writable layer here; Apptainer's
+``--writable-tmpfs`` gives one anywhere).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from orchard.agent.runtimes.mounts import mount, unmount
+from orchard_slurm.pilot import write_stop_record
+
+AGENT = ["/opt/orchard/bin/orchard-agent", "--runtime", "direct", "--state-dir", "/orchard-run/state",
+         "--uds", "/orchard-run/agent.sock"]
+CONTAINER_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+UNPRIVILEGED = (100000, 100000)  # whom a root job runs the container as
+
+
+@dataclass
+class SandboxJob:
+    """Everything one per-job sandbox needs, pickled by submitit."""
+
+    job_dir: str
+    sandbox_id: str
+    image: str
+    runtime: str  # "bwrap", "charliecloud" or "apptainer"
+    block_network: bool
+    bundle: str
+    host: Optional[str] = None
+
+
+def container_argv(job: SandboxJob, root: Path, run_dir: Path, writable: bool) -> list[str]:
+    """The command that starts the container with the agent as its main process."""
+    binds = {job.bundle: "/opt/orchard", str(run_dir): "/orchard-run"}
+    if job.runtime == "bwrap":
+        argv = ["bwrap", "--unshare-user", "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--die-with-parent",
+                "--hostname", job.sandbox_id[:63], "--bind" if writable else "--ro-bind", str(root), "/",
+                "--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", "--ro-bind", job.bundle, "/opt/orchard",
+                "--bind", str(run_dir), "/orchard-run"]
+        return argv + (["--unshare-net"] if job.block_network else []) + ["--", *AGENT]
+    if job.runtime == "charliecloud":
+        argv = ["unshare", "--user", "--map-current-user", "--pid", "--mount-proc", "--ipc", "--uts", "--fork",
+                "--kill-child", *(["--net"] if job.block_network else []), "--", "ch-run", "--private-tmp"]
+        argv += ["--write"] if writable else []
+        for source, target in binds.items():
+            argv += ["--bind", f"{source}:{target}"]
+        return argv + [str(root), "--", *AGENT]
+    if job.runtime == "apptainer":
+        from spython.main import get_client
+
+        options = ["--containall", "--no-home", "--writable-tmpfs", "--hostname", job.sandbox_id[:63]]
+        for source, target in binds.items():
+            options += ["--bind", f"{source}:{target}"]
+        if job.block_network:
+            options += ["--net", "--network", "none"]
+        if os.environ.get("SLURM_JOB_GPUS") or os.environ.get("CUDA_VISIBLE_DEVICES"):
+            options.append("--nv")
+        return get_client(quiet=True)._init_command(["exec"], None) + options + [job.image, *AGENT]
+    raise ValueError(f"per-job mode runs bwrap, charliecloud or apptainer containers, not {job.runtime!r}")
+
+
+def prepare_root(job: SandboxJob, work: Path) -> tuple[Path, bool, list[Path]]:
+    """(root, writable, mounts to undo): an overlay over the image when we are root."""
+    image = Path(job.image)
+    if job.runtime == "apptainer":
+        return image, True, []
+    if not image.is_dir():
+        raise FileNotFoundError(f"per-job image {job.image!r}: not a directory image")
+    if os.geteuid() != 0:
+        return image, False, []
+    upper, lower_work, root = work / "upper", work / "work", work / "root"
+    for path in (upper, lower_work, root):
+        path.mkdir(parents=True)
+        os.chown(path, *UNPRIVILEGED)
+    mount("overlay", root, "overlay", f"lowerdir={image},upperdir={upper},workdir={lower_work}")
+    for point in ("opt/orchard", "orchard-run", "tmp", "proc", "dev", "sys", "etc", "root"):
+        (root / point).mkdir(parents=True, exist_ok=True)
+    for name in ("etc/hosts", "etc/resolv.conf", "etc/passwd", "etc/group"):
+        if not (root / name).exists() and not (root / name).is_symlink():
+            (root / name).touch()
+    os.chown(root / "root", *UNPRIVILEGED)
+    return root, True, [root]
+
+
+async def relay(listen_host: str, socket_path: Path) -> asyncio.AbstractServer:
+    """TCP on the compute node -> the agent's Unix socket inside the container."""
+
+    async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while data := await reader.read(1 << 16):
+                writer.write(data)
+                await writer.drain()
+        except (ConnectionError, OSError):
+            pass
+        finally:
+            writer.close()
+
+    async def connect(client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter) -> None:
+        try:
+            agent_reader, agent_writer = await asyncio.open_unix_connection(str(socket_path))
+        except OSError:
+            client_writer.close()
+            return
+        await asyncio.gather(pipe(client_reader, agent_writer), pipe(agent_reader, client_writer))
+
+    return await asyncio.start_server(connect, listen_host, 0)
+
+
+def run_sandbox_job(job: SandboxJob) -> None:
+    asyncio.run(_run(job))
+
+
+async def _run(job: SandboxJob) -> None:
+    job_dir = Path(job.job_dir)
+    agent_dir, work = job_dir / "agent", job_dir / "container"
+    run_dir = work / "run"
+    run_dir.mkdir(parents=True)
+    agent_dir.mkdir(exist_ok=True)
+    root, writable, mounts = prepare_root(job, work)
+    token = secrets.token_urlsafe(32)
+    prefix: list[str] = []
+    if os.geteuid() == 0:  # never run the container as real root
+        os.chown(run_dir, *UNPRIVILEGED)
+        prefix = [str(Path(job.bundle) / "bin" / "orchard-enter"), "--uid", str(UNPRIVILEGED[0]),
+                  "--gid", str(UNPRIVILEGED[1]), "--"]
+    env = {"PATH": CONTAINER_PATH, "HOME": "/root", "ORCHARD_AGENT_TOKEN": token, "USER": "orchard"}
+    if job.runtime == "apptainer":  # --containall starts from a clean environment
+        env["APPTAINERENV_ORCHARD_AGENT_TOKEN"] = token
+    log = open(job_dir / "container.log", "ab")
+    container = subprocess.Popen([*prefix, *container_argv(job, root, run_dir, writable)], env=env,
+                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    stopping = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stopping.set)
+    loop.add_signal_handler(signal.SIGUSR2, lambda: (write_stop_record(job_dir, signal.SIGUSR2), stopping.set()))
+    try:
+        socket_path = run_dir / "agent.sock"
+        while not socket_path.exists():
+            if container.poll() is not None:
+                raise RuntimeError(f"the container exited ({container.returncode}): "
+                                   f"{(job_dir / 'container.log').read_text()[-2000:]}")
+            await asyncio.sleep(0.02)
+        host = job.host or socket.gethostname()
+        server = await relay(host, socket_path)
+        port = server.sockets[0].getsockname()[1]
+        token_path = agent_dir / "token"
+        token_path.touch(mode=0o600)
+        token_path.write_text(token)
+        (agent_dir / "agent.json").write_text(json.dumps({"address": f"http://{host}:{port}", "pid": container.pid}))
+        exited = loop.run_in_executor(None, container.wait)
+        await asyncio.wait([exited, loop.create_task(stopping.wait())], return_when=asyncio.FIRST_COMPLETED)
+        server.close()
+    finally:
+        if container.poll() is None:
+            os.killpg(container.pid, signal.SIGTERM)  # the agent deletes its sandbox on the way out
+            try:
+                await asyncio.wait_for(loop.run_in_executor(None, container.wait), 15)
+            except asyncio.TimeoutError:
+                os.killpg(container.pid, signal.SIGKILL)
+        log.close()
+        for target in mounts:
+            unmount(target)
+        shutil.rmtree(work, ignore_errors=True)

@@ -1,0 +1,68 @@
+"""Per-job mode on the dev cluster: each sandbox is a Slurm job of its own whose container
+(bubblewrap or Charliecloud) runs the bundled agent; the service reaches it through the
+job's TCP relay with a token."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from orchard.client import Client
+from orchard.errors import InvalidRequest
+from slurm_testing import slurm_settings, squeue_jobs, wait_until_no_jobs
+from test_charliecloud import busybox_image
+
+
+@pytest.fixture(scope="module", params=["bwrap", "charliecloud"])
+def per_job(request, slurm_cluster, agent_bundle):
+    settings = slurm_settings(mode="per-job", runtime=request.param, max_pilots=3, bundle_dir=str(agent_bundle))
+    image = busybox_image(Path(settings["shared_dir"]) / "image")
+    client = Client(backend="slurm", backend_settings=settings)
+    yield client, str(image), settings["job_name"], Path(settings["shared_dir"])
+    client.close()
+    assert wait_until_no_jobs(settings["job_name"]) == []
+
+
+def live_jobs(job_name: str) -> set[str]:
+    return {line.split()[0] for line in squeue_jobs(job_name)}
+
+
+def test_each_sandbox_is_a_slurm_job_with_the_agent_inside_its_container(per_job):
+    client, image, job_name, shared = per_job
+    with client.create(image) as blocked, client.create(image, block_network=False) as open_:
+        jobs = live_jobs(job_name)
+        assert len(jobs) == 2  # one Slurm job per sandbox
+        assert blocked.info.image == image and blocked.info.runtime == "direct"
+        assert "/opt/orchard/" in blocked.exec("cat /proc/*/cmdline 2>/dev/null | tr '\\0' ' '").stdout
+        assert blocked.exec("grep -c : /proc/net/dev").stdout == "1\n"  # lo only: no way out
+        assert int(open_.exec("grep -c : /proc/net/dev").stdout) > 1
+        assert blocked.exec("echo kept > /tmp/state; cat /tmp/state").stdout == "kept\n"
+        assert "ORCHARD_AGENT_TOKEN" not in blocked.exec("env").stdout
+        for record in shared.glob("pilots/*/agent/agent.json"):  # the relays are not open doors
+            address = json.loads(record.read_text())["address"]
+            assert httpx.get(f"{address}/sandboxes", timeout=5).status_code == 401
+    deadline = time.monotonic() + 20
+    while live_jobs(job_name) & jobs and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not live_jobs(job_name) & jobs  # delete ended each job
+
+
+def test_scancel_of_a_sandbox_job_reads_lost_and_bad_images_submit_nothing(per_job):
+    client, image, job_name, _ = per_job
+    sandbox = client.create(image)
+    (job_id,) = live_jobs(job_name)
+    subprocess.run(["scancel", job_id], check=True)
+    deadline = time.monotonic() + 10
+    while (info := client.get(sandbox.id).info).status != "lost":
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    assert f"Slurm job {job_id}" in info.status_message
+    sandbox.delete()
+    with pytest.raises(InvalidRequest, match="directory images|ask for an image"):
+        client.create("host")
+    assert live_jobs(job_name) == set()  # refused before anything was submitted
