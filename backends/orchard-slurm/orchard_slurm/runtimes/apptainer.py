@@ -126,8 +126,11 @@ class ApptainerRuntime(IsolationRuntime):
         return (settings.host_uid, settings.host_gid) if os.geteuid() == 0 else None
 
     async def _call(self, sandbox: Optional[SandboxState], **request: object) -> dict:
-        """One spython call in a child process (as the unprivileged owner under a root agent)."""
-        prefix = launcher_prefix(self.context, sandbox, self._owner())
+        """One spython call in a child process (in the sandbox's cgroup; Apptainer as the
+        unprivileged owner under a root agent)."""
+        prefix = launcher_prefix(self.context, sandbox, None)
+        owner = self._owner()
+        request = {**request, "as_ids": list(owner) if owner else None}
         argv = [*prefix, sys.executable, "-m", "orchard_slurm.runtimes.spython_calls", json.dumps(request)]
         env = {"PATH": os.environ.get("PATH", DEFAULT_PATH), "HOME": os.environ.get("HOME", "/"),
                **{k: v for k, v in os.environ.items() if k.startswith(("APPTAINER", "SINGULARITY"))}}

@@ -8,10 +8,12 @@ spython. In a process of its own, spython keeps its children to itself.
 
 from __future__ import annotations
 
+import importlib
 import json
+import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 
 def client() -> Any:
@@ -48,8 +50,20 @@ def stop(name: str) -> dict[str, Any]:
 OPERATIONS = {"pull": pull, "start": start, "stop": stop}
 
 
+def drop_to(ids: Optional[list[int]]) -> None:
+    """Under a root agent, Apptainer runs as the unprivileged sandbox owner. Dropped here,
+    after Python started, because the agent's interpreter may live where that uid cannot read."""
+    if ids:
+        importlib.import_module("spython.main")  # while we can still read it
+
+        os.setgroups([])
+        os.setgid(ids[1])
+        os.setuid(ids[0])
+
+
 def main() -> None:
     request = json.loads(sys.argv[1])
+    drop_to(request.pop("as_ids", None))
     operation = OPERATIONS[request.pop("op")]
     try:
         print(json.dumps(operation(**request)))
