@@ -5,10 +5,10 @@ PIP := $(VENV)/bin/pip
 # Debian packages: bubblewrap (isolation), skopeo + umoci (docker:// images), docker-registry and
 # busybox-static (a real registry and images for tests), gcc + libc6-dev (the static orchard-enter helper and
 # the bundle launcher), debootstrap (foreign root filesystems for the agent-bundle tests), binutils (strip),
-# charliecloud-runtime (ch-run: the Slurm backend's charliecloud runtime, tested for real), python3 (the
+# charliecloud-runtime, podman + runc (the Slurm backend's charliecloud and podman runtimes), python3 (the
 # system Python the non-root pilot test runs as an ordinary user).
 SYSTEM_PACKAGES := bubblewrap skopeo umoci docker-registry busybox-static gcc libc6-dev iproute2 git procps util-linux \
-	debootstrap dash binutils charliecloud-runtime python3
+	debootstrap dash binutils charliecloud-runtime podman runc python3
 TORCH_VERSION := 2.13.0
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 

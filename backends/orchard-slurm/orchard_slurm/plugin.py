@@ -15,9 +15,11 @@ def orchard_register_backends(register):
 def orchard_register_runtimes(register):
     from orchard_slurm.runtimes.apptainer import ApptainerRuntime
     from orchard_slurm.runtimes.charliecloud import CharliecloudRuntime
+    from orchard_slurm.runtimes.podman import PodmanRuntime
 
     register(ApptainerRuntime)
     register(CharliecloudRuntime)
+    register(PodmanRuntime)
 
 
 @hookimpl

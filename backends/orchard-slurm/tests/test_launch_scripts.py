@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -14,6 +15,7 @@ import yaml
 from slurm_testing import REPO, slurm_settings, squeue_jobs, wait_until_no_jobs
 
 SMALL = ["--cpus-per-task=1", "--mem=1G", "--time=10"]  # the dev node is 2 CPUs and no GPU
+VENV = sys.prefix  # what a site sets as ORCHARD_VENV: the scripts must not depend on the caller's PATH
 
 
 def free_port() -> int:
@@ -35,7 +37,8 @@ def test_service_and_trainer_jobs_find_each_other_and_stop_cleanly(slurm_cluster
     (shared / "orchard.yaml").write_text(yaml.safe_dump(config))
     service_name = settings["job_name"] + "-serve"
     service = sbatch(*SMALL, f"--job-name={service_name}", f"--output={shared}/serve.log",
-                     f"--export=ALL,ORCHARD_CONFIG={shared / 'orchard.yaml'}", str(REPO / "slurm/orchard-serve.sbatch"))
+                     f"--export=ALL,ORCHARD_CONFIG={shared / 'orchard.yaml'},ORCHARD_VENV={VENV}",
+                     str(REPO / "slurm/orchard-serve.sbatch"))
     try:
         url_file = shared / "service.url"
         deadline = time.monotonic() + 60
@@ -48,7 +51,7 @@ def test_service_and_trainer_jobs_find_each_other_and_stop_cleanly(slurm_cluster
                   "client = Client(os.environ['ORCHARD_URL'], 'k'); sandbox = client.create(); "
                   "print(sandbox.exec('echo trained-with-$((6*7))').stdout, end=''); sandbox.delete()")
         subprocess.run(["sbatch", "--wait", *SMALL, "--gpus-per-node=0", f"--output={shared}/train.log",
-                        f"--export=ALL,ORCHARD_SHARED={shared}", str(REPO / "slurm/orchard-train.sbatch"),
+                        f"--export=ALL,ORCHARD_SHARED={shared},ORCHARD_VENV={VENV}", str(REPO / "slurm/orchard-train.sbatch"),
                         "python", "-c", script], check=True, capture_output=True, timeout=120)
         train_log = (shared / "train.log").read_text()
         assert "trained-with-42" in train_log, train_log

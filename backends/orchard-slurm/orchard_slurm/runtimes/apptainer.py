@@ -17,8 +17,6 @@ golden files (backends/orchard-slurm/tests/golden/apptainer), nothing here ran f
 
 from __future__ import annotations
 
-import asyncio
-import fcntl
 import hashlib
 import json
 import os
@@ -34,9 +32,9 @@ from orchard.agent.runtimes.holder import launcher_prefix
 from orchard.agent.sandbox import Placement, SandboxState
 from orchard.errors import ImageRejected, InvalidRequest, RuntimeUnavailable
 from orchard.quantities import optional_bytes, parse_cpu
+from orchard_slurm.runtimes.processes import process_exit, user_ns_below_ours
 
 PULLED = ("docker://", "oras://", "library://", "shub://")
-NS_GET_PARENT = 0xB702  # ioctl on a namespace fd: its parent user namespace
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 
@@ -64,48 +62,6 @@ def instance_options(sandbox_id: str, block_network: bool, overlay: Path, binds:
 def sif_name(reference: str) -> str:
     readable = re.sub(r"[^a-zA-Z0-9._-]", "_", reference.split("://", 1)[1])[:80]
     return f"{readable}-{hashlib.sha256(reference.encode()).hexdigest()[:12]}.sif"
-
-
-def user_ns_below_ours(pid: int) -> bool:
-    """True when ``pid``'s user namespace is nested in ours (so we may join it)."""
-    ours = os.stat("/proc/self/ns/user")
-    fd = os.open(f"/proc/{pid}/ns/user", os.O_RDONLY)
-    try:
-        theirs = os.fstat(fd)
-        if (theirs.st_ino, theirs.st_dev) == (ours.st_ino, ours.st_dev):
-            return False
-        while True:
-            try:
-                parent = fcntl.ioctl(fd, NS_GET_PARENT)
-            except OSError:
-                return False
-            os.close(fd)
-            fd = parent
-            found = os.fstat(fd)
-            if (found.st_ino, found.st_dev) == (ours.st_ino, ours.st_dev):
-                return True
-    finally:
-        os.close(fd)
-
-
-def process_exit(pid: int) -> "asyncio.Future[int]":
-    """A future resolved when ``pid`` (not our child: Apptainer daemonizes it) exits."""
-    loop = asyncio.get_running_loop()
-    future: asyncio.Future[int] = loop.create_future()
-    try:
-        fd = os.pidfd_open(pid)
-    except ProcessLookupError:
-        future.set_result(-1)
-        return future
-
-    def exited() -> None:
-        loop.remove_reader(fd)
-        os.close(fd)
-        if not future.done():
-            future.set_result(-1)  # its status went to its own parent
-
-    loop.add_reader(fd, exited)
-    return future
 
 
 class ApptainerRuntime(IsolationRuntime):

@@ -1,0 +1,171 @@
+"""``podman``: each sandbox is a Podman container (runc) kept by ``orchard-enter --hold``.
+
+``podman run -d`` with the holder bound in as the entrypoint: the container's own PID, IPC,
+UTS and mount namespaces, no network (``--network none``) when the sandbox blocks it (the
+host's otherwise, as bubblewrap sandboxes have), all capabilities dropped, and under a root
+agent a user namespace whose root is the unprivileged host uid (``--uidmap``), so images
+that expect root work without root on the host. Commands join the container's PID with
+``orchard-enter --target`` and its cgroup (where Podman put the limits), so an exec costs
+milliseconds, not a ``podman exec``. Directory images are imported into Podman's storage
+once; ``docker://`` references are pulled. Podman's configuration and storage live in the
+agent's state directory (runc, cgroupfs, file events: see shared/notes on Podman 4.3).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Optional
+
+from orchard.agent.reaper import run_tool
+from orchard.agent.runtimes.api import IsolationRuntime
+from orchard.agent.sandbox import Placement, SandboxState
+from orchard.errors import ImageRejected, InvalidRequest, RuntimeUnavailable
+from orchard_slurm.runtimes.processes import process_exit
+
+DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+HOLD_PATH = "/.orchard-hold"
+CGROUP_CONTROLLERS = ("memory", "pids", "cpu,cpuacct", "unified")  # v1 hierarchies, v2 last
+CONTAINERS_CONF = """[containers]
+default_ulimits = ["nofile=20000:20000", "nproc=32768:32768"]
+[engine]
+runtime = "runc"
+cgroup_manager = "cgroupfs"
+events_logger = "file"
+"""
+
+
+def container_name(sandbox_id: str) -> str:
+    return "orchard-" + re.sub(r"[^a-zA-Z0-9_.-]", "-", sandbox_id)
+
+
+def run_options(sandbox_id: str, block_network: bool, helper: Path, idmap: Optional[tuple[int, int]],
+                memory: Optional[str], pids: Optional[int], cpu: Optional[str]) -> list[str]:
+    """``podman run`` options of one sandbox (see the module docstring for why)."""
+    options = ["-d", "--name", container_name(sandbox_id), "--hostname", sandbox_id[:63],
+               "--network", "none" if block_network else "host", "--cap-drop", "all",
+               "--security-opt", "no-new-privileges", "-v", f"{helper}:{HOLD_PATH}:ro", "--entrypoint", HOLD_PATH]
+    if idmap:
+        options += ["--uidmap", f"0:{idmap[0]}:65536", "--gidmap", f"0:{idmap[1]}:65536"]
+    if memory:
+        options += ["--memory", memory.replace("i", "").lower()]
+    if pids:
+        options += ["--pids-limit", str(pids)]
+    if cpu:
+        options += ["--cpus", cpu]
+    return options
+
+
+def cgroup_procs_files(cgroup_path: str) -> list[str]:
+    """The container's cgroup.procs in each hierarchy that has it (commands join them)."""
+    found = []
+    for controller in CGROUP_CONTROLLERS:
+        procs = Path("/sys/fs/cgroup") / controller / cgroup_path.lstrip("/") / "cgroup.procs"
+        if procs.exists():
+            found.append(str(procs))
+    plain = Path("/sys/fs/cgroup") / cgroup_path.lstrip("/") / "cgroup.procs"  # cgroup v2 only
+    return found or ([str(plain)] if plain.exists() else [])
+
+
+class PodmanRuntime(IsolationRuntime):
+    name = "podman"
+
+    def __init__(self, context) -> None:
+        super().__init__(context)
+        self._imports: dict[str, asyncio.Lock] = {}
+        self._cgroups: dict[str, list[str]] = {}
+
+    @classmethod
+    def unavailable_reason(cls) -> Optional[str]:
+        missing = [tool for tool in ("podman", "runc") if shutil.which(tool) is None]
+        return f"not installed: {', '.join(missing)} (apt-get install podman runc)" if missing else None
+
+    @property
+    def home(self) -> Path:
+        return self.context.settings.state_dir / "podman"
+
+    def _environment(self) -> dict[str, str]:
+        """One configuration and one storage for every podman call (they must agree)."""
+        conf, storage = self.home / "containers.conf", self.home / "storage.conf"
+        if not storage.exists():
+            self.home.mkdir(parents=True, exist_ok=True)
+            conf.write_text(CONTAINERS_CONF)
+            storage.write_text(f'[storage]\ndriver = "overlay"\ngraphroot = "{self.home / "graph"}"\n'
+                               f'runroot = "{self.home / "run"}"\n')
+        return {"PATH": os.environ.get("PATH", DEFAULT_PATH), "HOME": os.environ.get("HOME", "/"),
+                "CONTAINERS_CONF": str(conf), "CONTAINERS_STORAGE_CONF": str(storage),
+                **{k: v for k, v in os.environ.items() if k == "XDG_RUNTIME_DIR"}}
+
+    async def _podman(self, *args: str) -> str:
+        code, out, err = await run_tool(self.context.reaper, ["podman", *args], self._environment())
+        if code != 0:
+            raise RuntimeUnavailable(f"podman {args[0]} failed: {err.strip()[-1500:] or f'exit {code}'}")
+        return out
+
+    async def _image(self, reference: str) -> str:
+        if reference == "host":
+            raise InvalidRequest("the podman runtime runs images: ask for a docker:// reference or an image "
+                                 "directory, not 'host'")
+        if reference.startswith("docker://"):
+            await self._podman("pull", "--quiet", reference)
+            return reference.removeprefix("docker://")
+        directory = Path(reference)
+        if not directory.is_dir():
+            raise ImageRejected(f"image {reference!r}: no such directory (or use a docker:// reference)")
+        digest = hashlib.sha256(f"{directory.resolve()}:{directory.stat().st_mtime_ns}".encode()).hexdigest()[:16]
+        name = f"localhost/orchard-dir-{digest}"
+        async with self._imports.setdefault(name, asyncio.Lock()):
+            code, _, _ = await run_tool(self.context.reaper, ["podman", "image", "exists", name], self._environment())
+            if code != 0:
+                archive = self.home / f"{digest}.tar"
+                code, _, err = await run_tool(self.context.reaper, ["tar", "-C", str(directory), "-cf", str(archive),
+                                                                    "."], {"PATH": DEFAULT_PATH})
+                try:
+                    if code != 0:
+                        raise ImageRejected(f"cannot read image directory {reference}: {err.strip()[-500:]}")
+                    await self._podman("import", "--quiet", str(archive), name)
+                finally:
+                    archive.unlink(missing_ok=True)
+        return name
+
+    async def start(self, sandbox: SandboxState) -> None:
+        settings, spec = self.context.settings, sandbox.spec
+        image = await self._image(spec.image)
+        idmap = (settings.host_uid, settings.host_gid) if os.geteuid() == 0 else None
+        placement = Placement(root="", uid=0, gid=0, file_owner=idmap,
+                              env={"PATH": DEFAULT_PATH, "HOME": "/root", **spec.env}, default_cwd="/")
+        sandbox.placement = placement
+        name = container_name(sandbox.sandbox_id)
+        await self._podman("run", *run_options(sandbox.sandbox_id, spec.block_network, self.context.helper, idmap,
+                                               spec.memory, spec.pids, spec.cpu), image, "--hold")
+        state = json.loads(await self._podman("inspect", "--format", "{{json .State}}", name))
+        pid = int(state["Pid"])
+        if pid <= 0:
+            raise RuntimeUnavailable(f"container {name} is not running: {state.get('Error') or state.get('Status')}")
+        placement.holder_pid = placement.target_pid = pid
+        placement.root = f"/proc/{pid}/root"
+        placement.shell = "bash" if os.path.exists(f"{placement.root}/bin/bash") else "sh"
+        if os.path.isdir(f"{placement.root}/workspace"):
+            placement.default_cwd = "/workspace"
+        self._cgroups[sandbox.sandbox_id] = cgroup_procs_files(state.get("CgroupPath", ""))
+        sandbox.holder_exit = process_exit(pid)
+
+    def command(self, sandbox: SandboxState, argv: list[str], cwd: str, job_cgroup: Optional[Path] = None) -> list[str]:
+        full = super().command(sandbox, argv, cwd, job_cgroup)
+        joins = [flag for procs in self._cgroups.get(sandbox.sandbox_id, []) for flag in ("--cgroup", procs)]
+        return [full[0], *joins, *full[1:]]  # in the container's cgroup: its limits apply to commands too
+
+    async def stop(self, sandbox: SandboxState) -> None:
+        self._cgroups.pop(sandbox.sandbox_id, None)
+        if sandbox.placement is not None:
+            code, _, err = await run_tool(self.context.reaper, ["podman", "rm", "-f", "-t", "0",
+                                                                container_name(sandbox.sandbox_id)],
+                                          self._environment())
+            if code != 0 and "no such container" not in err.lower():
+                raise RuntimeUnavailable(f"podman rm failed: {err.strip()[-500:]}")
+        shutil.rmtree(sandbox.state_dir, ignore_errors=True)

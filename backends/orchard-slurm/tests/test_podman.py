@@ -1,0 +1,56 @@
+"""The podman runtime for real: pilots on the dev cluster run each sandbox as a Podman
+container (runc), commands join it through orchard-enter and its cgroup, so Podman's
+limits hold for them too."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from orchard.client import Client
+from orchard.errors import InvalidRequest
+from slurm_testing import slurm_settings, wait_until_no_jobs
+from test_charliecloud import busybox_image
+
+
+@pytest.fixture(scope="module")
+def podman(slurm_cluster):
+    for tool in ("podman", "runc"):
+        if shutil.which(tool) is None:
+            pytest.fail(f"{tool} is not installed: make system-deps installs podman and runc")
+    settings = slurm_settings(runtime="podman", sandboxes_per_pilot=8, max_pilots=1, pilot_idle_seconds=30)
+    image = busybox_image(Path(settings["shared_dir"]) / "busybox-image")
+    (image / "workspace").mkdir()
+    (image / "tmp").mkdir()
+    (image / "tmp").chmod(0o1777)
+    client = Client(backend="slurm", backend_settings=settings)
+    yield client, str(image)
+    client.close()
+    assert wait_until_no_jobs(settings["job_name"]) == []
+
+
+def test_containers_run_commands_with_their_namespaces_and_limits(podman):
+    client, image = podman
+    with client.create(image) as sandbox, client.create(image, block_network=False, pids=40) as limited:
+        assert sandbox.exec("id -u; hostname; pwd").stdout == f"0\n{sandbox.id}\n/workspace\n"  # root inside only
+        assert sandbox.exec("ls /proc | grep -c '^[0-9]'").stdout.strip() in {"2", "3", "4"}
+        assert sandbox.exec("grep -c : /proc/net/dev").stdout == "1\n"  # --network none
+        assert int(limited.exec("grep -c : /proc/net/dev").stdout) > 1
+        sandbox.exec("sleep 1000 & echo $! > /tmp/sleeper")
+        assert sandbox.exec("kill -0 $(cat /tmp/sleeper) && echo alive").stdout == "alive\n"
+        job = limited.exec("for i in $(seq 60); do sleep 30 & done; echo spawned", timeout=20)
+        assert "can't fork" in job.stderr or "Resource temporarily unavailable" in job.stderr  # the pids limit
+        sandbox.upload("data/in.txt", "through the agent\n")
+        assert sandbox.exec("cat data/in.txt").stdout == "through the agent\n"
+        sandbox.exec("echo made-inside > out.txt")
+        assert sandbox.download("out.txt") == b"made-inside\n"
+        job = sandbox.exec("sleep 300 & sleep 300", timeout=1)
+        assert job.exit_code == 124 and job.error_type == "timeout"
+
+
+def test_host_image_is_refused_clearly(podman):
+    client, _ = podman
+    with pytest.raises(InvalidRequest, match="podman runtime runs images"):
+        client.create("host")
