@@ -171,11 +171,8 @@ int main(int argc, char **argv) {
         if (stat("/proc/self/ns/user", &current_user_ns) < 0) die("stat", "/proc/self/ns/user");
         int user_fd = open_ns(target, "ns/user");
         int outermost = outermost_user_ns(user_fd);
-        if (outermost >= 0) {
-            enter_user_ns(outermost, "outermost user namespace");
-            close(outermost);
-        }
-        int fds[6];
+        int fds[6]; /* opened before any setns: from inside a user namespace we could lose the
+                       right to read another process's /proc/PID/ns (ptrace access rules) */
         for (int k = 0; k < 6; k++) {
             /* A namespace the sandbox shares with us (the host network, when it has one)
                is not joined: it may belong to a user namespace we hold no rights in. */
@@ -190,6 +187,10 @@ int main(int argc, char **argv) {
             }
         }
         int root = open_ns(target, "root");
+        if (outermost >= 0) {
+            enter_user_ns(outermost, "outermost user namespace");
+            close(outermost);
+        }
         for (int k = 0; k < 6; k++) {
             if (fds[k] < 0) continue;
             if (setns(fds[k], 0) < 0) die("setns", names[k]);

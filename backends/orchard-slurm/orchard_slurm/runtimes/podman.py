@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import json
 import os
 import re
 import shutil
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -30,7 +30,6 @@ from orchard_slurm.runtimes.processes import process_exit
 
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 HOLD_PATH = "/.orchard-hold"
-CGROUP_CONTROLLERS = ("memory", "pids", "cpu,cpuacct", "unified")  # v1 hierarchies, v2 last
 CONTAINERS_CONF = """[containers]
 default_ulimits = ["nofile=20000:20000", "nproc=32768:32768"]
 [engine]
@@ -61,15 +60,36 @@ def run_options(sandbox_id: str, block_network: bool, helper: Path, idmap: Optio
     return options
 
 
-def cgroup_procs_files(cgroup_path: str) -> list[str]:
-    """The container's cgroup.procs in each hierarchy that has it (commands join them)."""
+def cgroup_procs_files(pid: int) -> list[str]:
+    """The cgroup.procs of ``pid``'s cgroup in each hierarchy (v1 controllers or v2), read
+    from /proc: where Podman put the container, so commands that join get its limits."""
     found = []
-    for controller in CGROUP_CONTROLLERS:
-        procs = Path("/sys/fs/cgroup") / controller / cgroup_path.lstrip("/") / "cgroup.procs"
-        if procs.exists():
+    for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines():
+        _, controllers, path = line.split(":", 2)
+        if controllers.startswith("name="):
+            continue
+        mount = Path("/sys/fs/cgroup") / controllers if controllers else Path("/sys/fs/cgroup")
+        if controllers and not mount.is_dir():
+            mount = Path("/sys/fs/cgroup") / controllers.split(",")[0]
+        procs = mount / path.lstrip("/") / "cgroup.procs"
+        if path != "/" and procs.exists() and (controllers or not found):
             found.append(str(procs))
-    plain = Path("/sys/fs/cgroup") / cgroup_path.lstrip("/") / "cgroup.procs"  # cgroup v2 only
-    return found or ([str(plain)] if plain.exists() else [])
+    return found[:8]  # orchard-enter joins at most 8
+
+
+async def holder_running(pid: int, name: str, timeout: float = 5.0) -> None:
+    """Wait until the container's process is the holder: the PID file can name it while
+    runc's init is still setting it up (not yet enterable)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if Path(f"/proc/{pid}/cmdline").read_bytes().startswith(HOLD_PATH.encode() + b"\0"):
+                return
+        except OSError:
+            raise RuntimeUnavailable(f"container {name} exited as it started") from None
+        if time.monotonic() > deadline:
+            raise RuntimeUnavailable(f"container {name} did not start its holder within {timeout:.0f} s")
+        await asyncio.sleep(0.005)
 
 
 class PodmanRuntime(IsolationRuntime):
@@ -78,6 +98,7 @@ class PodmanRuntime(IsolationRuntime):
     def __init__(self, context) -> None:
         super().__init__(context)
         self._imports: dict[str, asyncio.Lock] = {}
+        self._imported: set[str] = set()
         self._cgroups: dict[str, list[str]] = {}
 
     @classmethod
@@ -119,9 +140,11 @@ class PodmanRuntime(IsolationRuntime):
             raise ImageRejected(f"image {reference!r}: no such directory (or use a docker:// reference)")
         digest = hashlib.sha256(f"{directory.resolve()}:{directory.stat().st_mtime_ns}".encode()).hexdigest()[:16]
         name = f"localhost/orchard-dir-{digest}"
+        if name in self._imported:
+            return name
         async with self._imports.setdefault(name, asyncio.Lock()):
             code, _, _ = await run_tool(self.context.reaper, ["podman", "image", "exists", name], self._environment())
-            if code != 0:
+            if code != 0 and name not in self._imported:
                 archive = self.home / f"{digest}.tar"
                 code, _, err = await run_tool(self.context.reaper, ["tar", "-C", str(directory), "-cf", str(archive),
                                                                     "."], {"PATH": DEFAULT_PATH})
@@ -131,6 +154,7 @@ class PodmanRuntime(IsolationRuntime):
                     await self._podman("import", "--quiet", str(archive), name)
                 finally:
                     archive.unlink(missing_ok=True)
+            self._imported.add(name)
         return name
 
     async def start(self, sandbox: SandboxState) -> None:
@@ -141,18 +165,22 @@ class PodmanRuntime(IsolationRuntime):
                               env={"PATH": DEFAULT_PATH, "HOME": "/root", **spec.env}, default_cwd="/")
         sandbox.placement = placement
         name = container_name(sandbox.sandbox_id)
-        await self._podman("run", *run_options(sandbox.sandbox_id, spec.block_network, self.context.helper, idmap,
-                                               spec.memory, spec.pids, spec.cpu), image, "--hold")
-        state = json.loads(await self._podman("inspect", "--format", "{{json .State}}", name))
-        pid = int(state["Pid"])
-        if pid <= 0:
-            raise RuntimeUnavailable(f"container {name} is not running: {state.get('Error') or state.get('Status')}")
+        sandbox.state_dir.mkdir(parents=True, exist_ok=True)
+        pidfile = sandbox.state_dir / "container.pid"
+        await self._podman("run", "--pidfile", str(pidfile), *run_options(
+            sandbox.sandbox_id, spec.block_network, self.context.helper, idmap, spec.memory, spec.pids, spec.cpu),
+            image, "--hold")
+        try:
+            pid = int(pidfile.read_text().strip())
+        except (OSError, ValueError):
+            raise RuntimeUnavailable(f"container {name} started but left no PID") from None
+        await holder_running(pid, name)
         placement.holder_pid = placement.target_pid = pid
         placement.root = f"/proc/{pid}/root"
         placement.shell = "bash" if os.path.exists(f"{placement.root}/bin/bash") else "sh"
         if os.path.isdir(f"{placement.root}/workspace"):
             placement.default_cwd = "/workspace"
-        self._cgroups[sandbox.sandbox_id] = cgroup_procs_files(state.get("CgroupPath", ""))
+        self._cgroups[sandbox.sandbox_id] = cgroup_procs_files(pid)
         sandbox.holder_exit = process_exit(pid)
 
     def command(self, sandbox: SandboxState, argv: list[str], cwd: str, job_cgroup: Optional[Path] = None) -> list[str]:
