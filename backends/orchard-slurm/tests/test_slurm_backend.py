@@ -132,3 +132,26 @@ def test_a_restarted_service_adopts_its_pilots_and_cancels_orphans_but_not_other
         assert wait_until_no_jobs(settings["job_name"]) == []
     finally:
         subprocess.run(["scancel", "-n", settings["job_name"]], check=False)
+
+
+def test_a_pilot_near_its_real_time_limit_stops_cleanly_on_its_own(slurm_cluster):
+    """No scancel here: a 1-minute pilot with a 30 s margin, and Slurm's own timer sends the
+    warning (Slurm may send it up to a minute early, so it comes within seconds)."""
+    settings = slurm_settings(time_limit_minutes=1, stop_margin_seconds=30, pilot_idle_seconds=600)
+
+    async def scenario() -> None:
+        backend = SlurmBackend.from_settings(settings)
+        sandbox = await backend.create(SandboxSpec())
+        started = time.monotonic()
+        while (status := await backend.status(sandbox.sandbox_id)).status != "lost":
+            assert time.monotonic() - started < 90, "the pilot outlived its time limit"
+            await asyncio.sleep(0.5)
+        assert "stopped on SIGUSR2" in status.status_message and "ended: COMPLET" in status.status_message
+        await backend.delete(sandbox.sandbox_id)
+        await backend.close()
+
+    try:
+        asyncio.run(scenario())
+        assert wait_until_no_jobs(settings["job_name"]) == []
+    finally:
+        subprocess.run(["scancel", "-n", settings["job_name"]], check=False)
