@@ -17,6 +17,7 @@ import asyncio
 import hashlib
 import json
 import logging
+import re
 import secrets
 import shutil
 import time
@@ -35,6 +36,7 @@ from orchard_slurm.perjob import SandboxJob, run_sandbox_job
 from orchard_slurm.pilot import read_stop_record, run_pilot
 
 log = logging.getLogger(__name__)
+EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Unavailable|Exit)\b.*: ")  # a traceback's last line
 
 
 @dataclass
@@ -152,10 +154,9 @@ class SlurmBackend(Backend):
             while not (info_path.exists() and token_path.exists()):
                 await self._refresh(force=time.time() - pilot.submitted_at > 1)
                 if not pilot.alive:
-                    container_log = pilot.directory / "container.log"  # per-job: why the container did not start
-                    if container_log.exists():
-                        pilot.failure = (f"sandbox job {pilot.job_id} ended ({pilot.state}) before its agent "
-                                         f"started: {container_log.read_text(errors='replace')[-1500:].strip()}")
+                    why = self._startup_log(pilot)
+                    if why:
+                        pilot.failure = f"Slurm job {pilot.job_id} ended ({pilot.state}) before its agent started: {why}"
                     return
                 if time.monotonic() > deadline:
                     pilot.failure = f"pilot job {pilot.job_id} had no agent after {self.config.pilot_start_timeout:.0f} s"
@@ -167,6 +168,21 @@ class SlurmBackend(Backend):
             pilot.failure = f"pilot job {pilot.job_id}: {exc}"
         finally:
             pilot.ready.set()
+
+    def _startup_log(self, pilot: Pilot) -> Optional[str]:
+        """The end of what a job that never got its agent up wrote (a per-job container's log,
+        else submitit's stderr), so a site's mistake reads as its own error message."""
+        logs = [pilot.directory / "container.log",
+                *sorted((self.config.shared_dir / "submitit" / pilot.job_id).glob("*_log.err"))]
+        for log_file in logs:
+            try:
+                text = log_file.read_text(errors="replace").strip()
+            except OSError:
+                continue
+            if text:
+                errors = [line for line in text.splitlines() if EXCEPTION_LINE.match(line)]
+                return errors[-1] if errors else " | ".join(text.splitlines()[-5:])[-1200:]
+        return None
 
     def _connect(self, pilot: Pilot, info: dict, token: str) -> None:
         pilot.url, pilot.token = info["address"], token
@@ -304,7 +320,7 @@ class SlurmBackend(Backend):
     async def _create_on(self, pilot: Pilot, spec: SandboxSpec) -> Sandbox:
         await asyncio.wait_for(pilot.ready.wait(), self.config.pilot_start_timeout + 5)
         if pilot.api is None or not pilot.alive:
-            raise BackendUnavailable(f"no agent on {pilot.lost_reason()}")
+            raise BackendUnavailable(pilot.failure or f"no agent on {pilot.lost_reason()}")
         # per-job: the container is the image, and the agent inside it runs commands in place
         asked = spec.model_copy(update={"image": "host"}) if self.config.mode == "per-job" else spec
         body = await pilot.api.request("POST", "/sandboxes", json_body=asked.model_dump(),

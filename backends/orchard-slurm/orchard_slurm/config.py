@@ -5,10 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal, Optional
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from orchard.backends.api import BackendConfig
 from orchard.agent.settings import default_state_dir
+
+
+PER_JOB_CONTAINERS = ("bwrap", "charliecloud", "apptainer")
 
 
 class SlurmConfig(BackendConfig):
@@ -44,3 +47,17 @@ class SlurmConfig(BackendConfig):
     job_name: str = Field("orchard-pilot", description="Slurm job name of the pilots; with the comment "
                                                        "naming the shared directory, how orphans are found")
     slurm_poll_seconds: float = Field(2.0, gt=0, description="how stale a pilot's Slurm state may be")
+
+    @model_validator(mode="after")
+    def _known_runtime(self) -> "SlurmConfig":
+        if self.mode == "per-job":
+            if self.runtime not in PER_JOB_CONTAINERS:
+                raise ValueError(f"runtime: per-job mode runs {', '.join(PER_JOB_CONTAINERS)} containers, "
+                                 f"not {self.runtime!r}")
+            return self
+        from orchard.plugins import collect
+
+        runtimes = collect("orchard_register_runtimes")
+        if self.runtime not in runtimes:
+            raise ValueError(f"runtime: unknown runtime {self.runtime!r}; installed: {', '.join(sorted(runtimes))}")
+        return self

@@ -10,9 +10,11 @@ import subprocess
 import time
 
 import pytest
+from pydantic import ValidationError
 
 from orchard.bench.measure import count_processes
 from orchard.client.http import ApiClient
+from orchard.errors import BackendUnavailable
 from orchard.models import SandboxSpec
 from orchard_slurm.backend import SlurmBackend
 from orchard_slurm.slurm import job_states as slurm_job_states
@@ -155,3 +157,28 @@ def test_a_pilot_near_its_real_time_limit_stops_cleanly_on_its_own(slurm_cluster
         assert wait_until_no_jobs(settings["job_name"]) == []
     finally:
         subprocess.run(["scancel", "-n", settings["job_name"]], check=False)
+
+
+def test_a_pilot_that_never_starts_its_agent_says_why(slurm_cluster):
+    """A site mistake (here an agent address that is not the node's) reads as its own error."""
+    settings = slurm_settings(agent_host="192.0.2.1", pilot_idle_seconds=0)  # TEST-NET-1: nobody's address
+
+    async def scenario() -> None:
+        backend = SlurmBackend.from_settings(settings)
+        with pytest.raises(BackendUnavailable, match="before its agent started: OSError: .*Cannot assign requested address"):
+            await backend.create(SandboxSpec())
+        await backend.close()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        subprocess.run(["scancel", "-n", settings["job_name"]], check=False)
+
+
+def test_settings_name_what_is_wrong():
+    with pytest.raises(ValidationError, match="unknown runtime 'nope'; installed: .*bwrap"):
+        SlurmBackend.from_settings({"runtime": "nope"})
+    with pytest.raises(ValidationError, match="per-job mode runs bwrap, charliecloud, apptainer"):
+        SlurmBackend.from_settings({"mode": "per-job", "runtime": "podman"})
+    with pytest.raises(ValidationError, match="partitoin"):
+        SlurmBackend.from_settings({"partitoin": "cpu"})
