@@ -357,7 +357,7 @@ class SlurmBackend(Backend):
         """Cancel this service's pilot jobs it has no record of (records lost, or never adopted)."""
         async with self._pool:  # no submission in flight: every job we submitted is in self.pilots
             known = {pilot.job_id for pilot in self.pilots.values()}
-            for job_id in sorted(await slurm.jobs_named(self.config.job_name, self.job_comment) - known):
+            for job_id in sorted(set(await slurm.jobs_named(self.config.job_name, self.job_comment)) - known):
                 log.warning("cancelling orphaned pilot job %s", job_id)
                 await slurm.cancel(job_id)
                 self.orphans_cancelled += 1
@@ -398,13 +398,33 @@ class SlurmBackend(Backend):
                 "pilot_jobs": {p.pilot_id: {"job_id": p.job_id, "state": p.state, "sandboxes": len(p.sandboxes),
                                             "remaining_seconds": round(p.remaining_seconds())} for p in live}}
 
-    async def cancel_all(self) -> None:
-        """Cancel every pilot (and so every sandbox) this backend knows."""
+    async def pilot_jobs(self) -> list[dict[str, Any]]:
+        """Every live job of this service (adopted, or found by job name and comment)."""
+        await self._adopt()
+        await self._refresh(force=True)
+        known = {pilot.job_id: pilot for pilot in self.pilots.values()}
+        rows = []
+        for job_id, state in sorted((await slurm.jobs_named(self.config.job_name, self.job_comment)).items()):
+            pilot = known.get(job_id)
+            rows.append({"job_id": job_id, "state": state, "pilot": pilot.pilot_id if pilot else None,
+                         "address": pilot.url if pilot else None,
+                         "sandboxes": len(pilot.sandboxes) if pilot else None,
+                         "remaining_seconds": round(pilot.remaining_seconds()) if pilot and pilot.ready_at else None})
+        return rows
+
+    async def cancel_all(self) -> int:
+        """Cancel every job of this service (and so every sandbox on it): the known pilots and
+        the ones found by job name and comment. Returns how many."""
+        await self._adopt()
+        jobs = set(await slurm.jobs_named(self.config.job_name, self.job_comment))
         for pilot in list(self.pilots.values()):
-            await slurm.cancel(pilot.job_id)
+            jobs.add(pilot.job_id)
             pilot.state = "CANCELLED"
             pilot.sandboxes.clear()
             self._forget(pilot)
+        for job_id in sorted(jobs):
+            await slurm.cancel(job_id)
+        return len(jobs)
 
     async def close(self) -> None:
         """Cancel the pilots that host nothing (the rest stay, for a restarted service to adopt)."""

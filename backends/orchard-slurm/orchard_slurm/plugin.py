@@ -24,6 +24,7 @@ def orchard_register_runtimes(register):
 
 @hookimpl
 def orchard_add_commands(cli):
-    from orchard_slurm.cli import bench_slurm
+    from orchard_slurm.cli import bench_slurm, slurm_group
 
     cli.commands["bench"].add_command(bench_slurm)
+    cli.add_command(slurm_group)

@@ -53,12 +53,13 @@ async def cancel(job_id: str) -> None:
     await run("scancel", job_id, check=False)
 
 
-async def jobs_named(name: str, comment: str) -> set[str]:
-    """Live jobs of this user with this job name and comment (a service's pilots, known or not)."""
+async def jobs_named(name: str, comment: str) -> dict[str, str]:
+    """Live jobs of this user with this job name and comment (a service's pilots, known or
+    not): job id -> state."""
     out = await run("squeue", "-h", "-u", getpass.getuser(), "-n", name, "-o", "%i|%T|%k")
-    found = set()
+    found = {}
     for line in out.splitlines():
         job_id, state, job_comment = (line.split("|", 2) + ["", ""])[:3]
         if job_comment.strip() == comment and state.strip() in LIVE_STATES:
-            found.add(job_id.strip())
+            found[job_id.strip()] = state.strip()
     return found
