@@ -147,6 +147,10 @@ class ImageStore:
                                       f"{staging}/bundle", uid=uid, home=staging)
             if code != 0:
                 raise ImageRejected(f"image {reference!r} cannot be unpacked: {_last_line(err)}")
-            os.replace(staging / "bundle", target)
+            try:
+                os.replace(staging / "bundle", target)
+            except OSError:
+                if not (target / "rootfs").is_dir():  # else another process sharing the cache won the race
+                    raise
         finally:
             shutil.rmtree(staging, ignore_errors=True)

@@ -134,8 +134,10 @@ class SlurmBackend(Backend):
             call: tuple = (run_pilot, str(directory), self.config.runtime, self.config.agent_host,
                            self.config.sandboxes_per_pilot)
         else:
+            cache = self.config.image_cache_dir or self.config.shared_dir / "image-cache"
             call = (run_sandbox_job, SandboxJob(str(directory), str(spec.sandbox_id), spec.image, self.config.runtime,
-                                                spec.block_network, str(await self._bundle()), self.config.agent_host))
+                                                spec.block_network, str(await self._bundle()), self.config.agent_host,
+                                                str(cache), tuple(self.config.insecure_registries)))
         submitted_at = time.time()
         job = await asyncio.to_thread(self._executor().submit, *call)
         pilot = Pilot(pilot_id, str(job.job_id), directory, submitted_at, self.config.time_limit_minutes * 60.0)
@@ -239,9 +241,9 @@ class SlurmBackend(Backend):
         if self.config.runtime == "apptainer":
             if image == "host":
                 raise InvalidRequest("per-job mode runs each sandbox in its own container: ask for an image")
-        elif not Path(image).is_dir():
-            raise InvalidRequest(f"per-job mode with {self.config.runtime} containers runs directory images; "
-                                 f"{image!r} is not a directory")
+        elif not image.startswith("docker://") and not Path(image).is_dir():
+            raise InvalidRequest(f"per-job mode with {self.config.runtime} containers runs docker:// or directory "
+                                 f"images; {image!r} is neither")
 
     async def _place(self, spec: SandboxSpec) -> Pilot:
         """A live pilot with room and walltime left, else a new one (bounded by max_pilots);

@@ -23,6 +23,10 @@ class SlurmConfig(BackendConfig):
                                                                    "inside its container")
     bundle_dir: Optional[Path] = Field(None, description="per-job mode: the agent bundle the containers run "
                                                          "(default: built once into shared_dir/agent-bundle)")
+    image_cache_dir: Optional[Path] = Field(None, description="per-job mode: where docker:// images are unpacked "
+                                                              "once for every job (default: shared_dir/image-cache)")
+    insecure_registries: list[str] = Field(default_factory=lambda: ["localhost", "127.0.0.1"],
+                                           description="per-job mode: registries pulled from without TLS")
     partition: Optional[str] = None
     account: Optional[str] = None
     qos: Optional[str] = None

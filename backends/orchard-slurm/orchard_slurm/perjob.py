@@ -20,12 +20,14 @@ import secrets
 import shutil
 import signal
 import socket
-import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from orchard.agent.images import ImageStore, ResolvedImage
+from orchard.agent.reaper import ChildReaper
 from orchard.agent.runtimes.mounts import mount, unmount
+from orchard.errors import OrchardError
 from orchard_slurm.pilot import write_stop_record
 
 AGENT = ["/opt/orchard/bin/orchard-agent", "--runtime", "direct", "--state-dir", "/orchard-run/state",
@@ -45,6 +47,8 @@ class SandboxJob:
     block_network: bool
     bundle: str
     host: Optional[str] = None
+    image_cache: Optional[str] = None  # where docker:// images are unpacked (shared between jobs)
+    insecure_registries: tuple[str, ...] = ()
 
 
 def container_argv(job: SandboxJob, root: Path, run_dir: Path, writable: bool) -> list[str]:
@@ -77,27 +81,45 @@ def container_argv(job: SandboxJob, root: Path, run_dir: Path, writable: bool) -
     raise ValueError(f"per-job mode runs bwrap, charliecloud or apptainer containers, not {job.runtime!r}")
 
 
-def prepare_root(job: SandboxJob, work: Path) -> tuple[Path, bool, list[Path]]:
-    """(root, writable, mounts to undo): an overlay over the image when we are root."""
-    image = Path(job.image)
+async def resolve_image(job: SandboxJob, reaper: ChildReaper) -> ResolvedImage:
+    """A directory image as it is; ``docker://`` pulled and unpacked once into the shared
+    cache by the agent's own image store (Apptainer pulls for itself)."""
     if job.runtime == "apptainer":
-        return image, True, []
-    if not image.is_dir():
+        return ResolvedImage(reference=job.image, kind="rootfs", rootfs=Path(job.image))
+    cache = Path(job.image_cache or Path(job.job_dir).parent.parent / "image-cache")
+    cache.mkdir(parents=True, exist_ok=True)
+    store = ImageStore(cache, UNPRIVILEGED if os.geteuid() == 0 else None, list(job.insecure_registries), reaper)
+    return await store.resolve(job.image)
+
+
+def prepare_root(job: SandboxJob, image: ResolvedImage, work: Path) -> tuple[Path, bool, list[Path]]:
+    """(root, writable, mounts to undo): an overlay over the image when we are root; the
+    image itself, read-only, otherwise."""
+    assert image.rootfs is not None
+    if job.runtime == "apptainer":
+        return image.rootfs, True, []
+    if not image.rootfs.is_dir():
         raise FileNotFoundError(f"per-job image {job.image!r}: not a directory image")
     if os.geteuid() != 0:
-        return image, False, []
+        if job.image.startswith("docker://"):  # our own unpacked copy: give it the mount points
+            add_mount_points(image.rootfs)
+        return image.rootfs, False, []
     upper, lower_work, root = work / "upper", work / "work", work / "root"
     for path in (upper, lower_work, root):
         path.mkdir(parents=True)
         os.chown(path, *UNPRIVILEGED)
-    mount("overlay", root, "overlay", f"lowerdir={image},upperdir={upper},workdir={lower_work}")
+    mount("overlay", root, "overlay", f"lowerdir={image.rootfs},upperdir={upper},workdir={lower_work}")
+    add_mount_points(root)
+    os.chown(root / "root", *UNPRIVILEGED)
+    return root, True, [root]
+
+
+def add_mount_points(root: Path) -> None:
     for point in ("opt/orchard", "orchard-run", "tmp", "proc", "dev", "sys", "etc", "root"):
         (root / point).mkdir(parents=True, exist_ok=True)
     for name in ("etc/hosts", "etc/resolv.conf", "etc/passwd", "etc/group"):
         if not (root / name).exists() and not (root / name).is_symlink():
             (root / name).touch()
-    os.chown(root / "root", *UNPRIVILEGED)
-    return root, True, [root]
 
 
 async def relay(listen_host: str, socket_path: Path) -> asyncio.AbstractServer:
@@ -134,30 +156,48 @@ async def _run(job: SandboxJob) -> None:
     run_dir = work / "run"
     run_dir.mkdir(parents=True)
     agent_dir.mkdir(exist_ok=True)
-    root, writable, mounts = prepare_root(job, work)
-    token = secrets.token_urlsafe(32)
-    prefix: list[str] = []
-    if os.geteuid() == 0:  # never run the container as real root
-        os.chown(run_dir, *UNPRIVILEGED)
-        prefix = [str(Path(job.bundle) / "bin" / "orchard-enter"), "--uid", str(UNPRIVILEGED[0]),
-                  "--gid", str(UNPRIVILEGED[1]), "--"]
-    env = {"PATH": CONTAINER_PATH, "HOME": "/root", "ORCHARD_AGENT_TOKEN": token, "USER": "orchard"}
-    if job.runtime == "apptainer":  # --containall starts from a clean environment
-        env["APPTAINERENV_ORCHARD_AGENT_TOKEN"] = token
-    log = open(job_dir / "container.log", "ab")
-    container = subprocess.Popen([*prefix, *container_argv(job, root, run_dir, writable)], env=env,
-                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    stopping = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, stopping.set)
-    loop.add_signal_handler(signal.SIGUSR2, lambda: (write_stop_record(job_dir, signal.SIGUSR2), stopping.set()))
+    reaper = ChildReaper()  # the image store's tools and the container, each waited for once
+    reaper.install(loop)
+    log_fd = os.open(job_dir / "container.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    mounts: list[Path] = []
+    container: Optional[int] = None
+    exited: Optional["asyncio.Future[int]"] = None
     try:
+        try:
+            image = await resolve_image(job, reaper)
+        except OrchardError as exc:
+            os.write(log_fd, f"ImageRejected: {exc.message}\n".encode())
+            raise
+        root, writable, mounts = prepare_root(job, image, work)
+        token = secrets.token_urlsafe(32)
+        prefix: list[str] = []
+        if os.geteuid() == 0:  # never run the container as real root
+            os.chown(run_dir, *UNPRIVILEGED)
+            prefix = [str(Path(job.bundle) / "bin" / "orchard-enter"), "--uid", str(UNPRIVILEGED[0]),
+                      "--gid", str(UNPRIVILEGED[1]), "--"]
+        env = {"PATH": CONTAINER_PATH, "HOME": "/root", "USER": "orchard", **image.env,
+               "ORCHARD_AGENT_TOKEN": token}
+        if image.workdir:
+            env["ORCHARD_WORKDIR"] = image.workdir  # the direct runtime's default cwd
+        if job.runtime == "apptainer":  # --containall starts from a clean environment
+            env.update({f"APPTAINERENV_{key}": value for key, value in env.items() if key.startswith("ORCHARD_")})
+        argv = [*prefix, *container_argv(job, root, run_dir, writable)]
+        executable = shutil.which(argv[0], path=CONTAINER_PATH + ":" + os.environ.get("PATH", "")) or argv[0]
+        container = os.posix_spawn(executable, argv, {**os.environ, **env} if job.runtime == "apptainer" else env,
+                                   file_actions=[(os.POSIX_SPAWN_OPEN, 0, "/dev/null", os.O_RDONLY, 0),
+                                                 (os.POSIX_SPAWN_DUP2, log_fd, 1), (os.POSIX_SPAWN_DUP2, log_fd, 2)],
+                                   setsid=True)
+        exited = reaper.wait(container)
+        stopping = asyncio.Event()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, stopping.set)
+        loop.add_signal_handler(signal.SIGUSR2, lambda: (write_stop_record(job_dir, signal.SIGUSR2), stopping.set()))
         socket_path = run_dir / "agent.sock"
         while not socket_path.exists():
-            if container.poll() is not None:
-                raise RuntimeError(f"the container exited ({container.returncode}): "
-                                   f"{(job_dir / 'container.log').read_text()[-2000:]}")
+            if exited.done():
+                raise RuntimeError(f"the container exited ({exited.result()}): "
+                                   f"{(job_dir / 'container.log').read_text(errors='replace')[-2000:]}")
             await asyncio.sleep(0.02)
         host = job.host or socket.gethostname()
         server = await relay(host, socket_path)
@@ -165,18 +205,24 @@ async def _run(job: SandboxJob) -> None:
         token_path = agent_dir / "token"
         token_path.touch(mode=0o600)
         token_path.write_text(token)
-        (agent_dir / "agent.json").write_text(json.dumps({"address": f"http://{host}:{port}", "pid": container.pid}))
-        exited = loop.run_in_executor(None, container.wait)
+        (agent_dir / "agent.json").write_text(json.dumps({"address": f"http://{host}:{port}", "pid": container}))
         await asyncio.wait([exited, loop.create_task(stopping.wait())], return_when=asyncio.FIRST_COMPLETED)
         server.close()
     finally:
-        if container.poll() is None:
-            os.killpg(container.pid, signal.SIGTERM)  # the agent deletes its sandbox on the way out
-            try:
-                await asyncio.wait_for(loop.run_in_executor(None, container.wait), 15)
-            except asyncio.TimeoutError:
-                os.killpg(container.pid, signal.SIGKILL)
-        log.close()
+        if container is not None and exited is not None and not exited.done():
+            await stop_container(container, exited)
+        os.close(log_fd)
         for target in mounts:
             unmount(target)
         shutil.rmtree(work, ignore_errors=True)
+
+
+async def stop_container(pid: int, exited: "asyncio.Future[int]") -> None:
+    """SIGTERM (the agent deletes its sandbox on the way out), SIGKILL after 15 s."""
+    try:
+        os.killpg(pid, signal.SIGTERM)
+        await asyncio.wait_for(asyncio.shield(exited), 15)
+    except ProcessLookupError:
+        pass
+    except asyncio.TimeoutError:
+        os.killpg(pid, signal.SIGKILL)

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[3]
+if str(REPO) not in sys.path:
+    sys.path.append(str(REPO))  # the repository's own test helpers (tests.images: a real registry)
 
 
 def squeue_jobs(name: str) -> list[str]:

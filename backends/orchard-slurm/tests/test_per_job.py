@@ -5,7 +5,9 @@ job's TCP relay with a token."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -63,6 +65,29 @@ def test_scancel_of_a_sandbox_job_reads_lost_and_bad_images_submit_nothing(per_j
         time.sleep(0.2)
     assert f"Slurm job {job_id}" in info.status_message
     sandbox.delete()
-    with pytest.raises(InvalidRequest, match="directory images|ask for an image"):
+    with pytest.raises(InvalidRequest, match="docker:// or directory images|ask for an image"):
         client.create("host")
     assert live_jobs(job_name) == set()  # refused before anything was submitted
+
+
+def test_a_docker_image_from_a_registry_keeps_its_environment_and_workdir(per_job, tmp_path_factory):
+    """Pulled and unpacked once by the job (the agent's image store), run with the image's
+    ENV and WORKDIR; a real registry on loopback."""
+    from tests.images import Registry, have_image_tools
+
+    assert have_image_tools(), "make system-deps installs docker-registry, skopeo and umoci"
+    client, image, job_name, shared = per_job
+    registry = Registry(Path(tempfile.mkdtemp(prefix="orchard-registry-", dir="/tmp")))
+    try:
+        root = Path(image)
+        (root / "srv" / "app").mkdir(parents=True, exist_ok=True)
+        reference = registry.push_rootfs(root, f"perjob-{root.parent.name}", {"GREETING": "from-the-image",
+                                                                            "PATH": "/bin:/sbin"}, "/srv/app")
+        with client.create(reference) as sandbox:
+            assert sandbox.info.image == reference
+            assert sandbox.exec("echo $GREETING; pwd").stdout == "from-the-image\n/srv/app\n"
+            assert sandbox.exec("echo kept > /tmp/f; cat /tmp/f").stdout == "kept\n"
+        assert list((shared / "image-cache").glob("sha256-*/rootfs"))  # unpacked once, kept for the next job
+    finally:
+        registry.stop()
+        shutil.rmtree(registry.workdir, ignore_errors=True)

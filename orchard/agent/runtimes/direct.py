@@ -21,7 +21,9 @@ class DirectRuntime(IsolationRuntime):
     async def start(self, sandbox: SandboxState) -> None:
         if sandbox.spec.image not in ("host", "direct"):
             raise InvalidRequest("the direct runtime runs in the agent's own image; ask for image 'host'")
-        workdir = "/workspace" if os.path.isdir("/workspace") else "/"
+        workdir = os.environ.get("ORCHARD_WORKDIR", "")  # the image's WORKDIR, from whoever started us
+        if not os.path.isdir(workdir):
+            workdir = "/workspace" if os.path.isdir("/workspace") else "/"
         env = {**image_environment(), "HOME": os.environ.get("HOME", "/root")}
         sandbox.placement = Placement(root="/", shell="bash" if os.path.exists("/bin/bash") else "sh",
                                       default_cwd=workdir, env=env)
