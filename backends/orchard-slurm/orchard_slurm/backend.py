@@ -124,29 +124,62 @@ class SlurmBackend(Backend):
         executor.update_parameters(**parameters)
         return executor
 
-    async def _submit(self, spec: Optional[SandboxSpec] = None) -> Pilot:
-        """Submit a pilot, or (per-job mode, given the sandbox's spec) the job of one sandbox."""
+    def _new_directory(self) -> tuple[str, Path]:
         pilot_id = f"pilot-{secrets.token_hex(4)}"
         directory = self.pilots_dir / pilot_id
         directory.mkdir(parents=True)
         directory.chmod(0o711)  # sandbox roots below must be reachable by the sandbox uid; the token file is 0600
+        return pilot_id, directory
+
+    def _pilot_call(self, directory: Path) -> tuple:
+        return (run_pilot, str(directory), self.config.runtime, self.config.agent_host, self.config.sandboxes_per_pilot)
+
+    async def _submit(self, spec: Optional[SandboxSpec] = None) -> Pilot:
+        """Submit a pilot, or (per-job mode, given the sandbox's spec) the job of one sandbox."""
         if spec is None:
-            call: tuple = (run_pilot, str(directory), self.config.runtime, self.config.agent_host,
-                           self.config.sandboxes_per_pilot)
-        else:
-            cache = self.config.image_cache_dir or self.config.shared_dir / "image-cache"
-            call = (run_sandbox_job, SandboxJob(str(directory), str(spec.sandbox_id), spec.image, self.config.runtime,
-                                                spec.block_network, str(await self._bundle()), self.config.agent_host,
-                                                str(cache), tuple(self.config.insecure_registries)))
+            return (await self._submit_pilots(1))[0]
+        pilot_id, directory = self._new_directory()
+        cache = self.config.image_cache_dir or self.config.shared_dir / "image-cache"
+        call = (run_sandbox_job, SandboxJob(str(directory), str(spec.sandbox_id), spec.image, self.config.runtime,
+                                            spec.block_network, str(await self._bundle()), self.config.agent_host,
+                                            str(cache), tuple(self.config.insecure_registries)))
         submitted_at = time.time()
         job = await asyncio.to_thread(self._executor().submit, *call)
-        pilot = Pilot(pilot_id, str(job.job_id), directory, submitted_at, self.config.time_limit_minutes * 60.0)
+        return self._track(pilot_id, directory, str(job.job_id), submitted_at)
+
+    async def _submit_pilots(self, count: int) -> list[Pilot]:
+        """Submit ``count`` pilots: one job, or one job array of ``count`` tasks."""
+        made = [self._new_directory() for _ in range(count)]
+        executor = self._executor()
+
+        def submit() -> list[Any]:
+            if count == 1:
+                return [executor.submit(*self._pilot_call(made[0][1]))]
+            with executor.batch():
+                jobs = [executor.submit(*self._pilot_call(directory)) for _, directory in made]
+            return jobs
+
+        submitted_at = time.time()
+        jobs = await asyncio.to_thread(submit)
+        return [self._track(pilot_id, directory, str(job.job_id), submitted_at)
+                for (pilot_id, directory), job in zip(made, jobs)]
+
+    def _track(self, pilot_id: str, directory: Path, job_id: str, submitted_at: float) -> Pilot:
+        pilot = Pilot(pilot_id, job_id, directory, submitted_at, self.config.time_limit_minutes * 60.0)
         self.pilots_submitted += 1
         (directory / "pilot.json").write_text(json.dumps({"job_id": pilot.job_id, "submitted_at": pilot.submitted_at,
                                                           "time_limit_seconds": pilot.time_limit_seconds}))
         self.pilots[pilot_id] = pilot
         asyncio.get_running_loop().create_task(self._await_agent(pilot))
         return pilot
+
+    async def _keep_warm(self) -> None:
+        """Top the pool up to ``min_pilots`` live pilots, in one job array (pilot mode)."""
+        if self.config.mode != "pilot" or not self.config.min_pilots:
+            return
+        live = sum(1 for p in self.pilots.values() if p.alive)
+        if live < self.config.min_pilots:
+            await self._submit_pilots(self.config.min_pilots - live)
 
     async def _await_agent(self, pilot: Pilot) -> None:
         """Wait for the pilot's agent to report its address; give up when its job ends."""
@@ -257,6 +290,7 @@ class SlurmBackend(Backend):
                     raise BackendUnavailable(f"{live} sandbox jobs are running and max_pilots is "
                                              f"{self.config.max_pilots} (per-job mode: one job per sandbox)")
                 return await self._submit(spec)
+            await self._keep_warm()
             margin = self.config.min_remaining_minutes * 60 + self.config.stop_margin_seconds
             for pilot in sorted(self.pilots.values(), key=lambda p: p.submitted_at):
                 if (pilot.alive and len(pilot.sandboxes) < self.config.sandboxes_per_pilot
@@ -278,7 +312,8 @@ class SlurmBackend(Backend):
             if pilot.sandboxes or pilot.url is None:
                 continue
             idle_limit = 0 if self.config.mode == "per-job" else self.config.pilot_idle_seconds
-            if now - pilot.idle_since >= idle_limit:
+            live = sum(1 for p in self.pilots.values() if p.alive)
+            if now - pilot.idle_since >= idle_limit and live > self.config.min_pilots:
                 await slurm.cancel(pilot.job_id)
                 pilot.state = "CANCELLED"
                 self._forget(pilot)
@@ -345,6 +380,8 @@ class SlurmBackend(Backend):
         await self._adopt()
         await self._refresh(force=True)
         await self._cancel_orphans()
+        async with self._pool:
+            await self._keep_warm()  # the reconciler lists soon after a service starts
         found: list[Sandbox] = []
         for pilot in list(self.pilots.values()):
             if pilot.alive and pilot.api is not None:

@@ -32,6 +32,8 @@ class SlurmConfig(BackendConfig):
     qos: Optional[str] = None
     time_limit_minutes: int = Field(60, gt=0, description="walltime of each pilot job")
     max_pilots: int = Field(4, gt=0, description="pilot jobs at most (the pool grows up to this)")
+    min_pilots: int = Field(0, ge=0, description="pilots kept up even when idle, submitted together as one job "
+                                                "array on first use (so first sandboxes skip the pilot start)")
     sandboxes_per_pilot: int = Field(32, gt=0, description="also the cap that keeps one fork bomb from taking "
                                                           "a pilot down where cgroups are not delegated")
     cpus_per_pilot: int = Field(1, gt=0)
@@ -54,6 +56,8 @@ class SlurmConfig(BackendConfig):
 
     @model_validator(mode="after")
     def _known_runtime(self) -> "SlurmConfig":
+        if self.min_pilots > self.max_pilots:
+            raise ValueError(f"min_pilots ({self.min_pilots}) is more than max_pilots ({self.max_pilots})")
         if self.mode == "per-job":
             if self.runtime not in PER_JOB_CONTAINERS:
                 raise ValueError(f"runtime: per-job mode runs {', '.join(PER_JOB_CONTAINERS)} containers, "

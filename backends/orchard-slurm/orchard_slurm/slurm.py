@@ -34,7 +34,7 @@ async def job_states(job_ids: Iterable[str]) -> dict[str, str]:
     if not ids:
         return {}
     states = {job_id: "GONE" for job_id in ids}
-    live = await run("squeue", "-h", "-o", "%i|%T", "-j", ",".join(ids), check=False)
+    live = await run("squeue", "-h", "-r", "-o", "%i|%T", "-j", ",".join(ids), check=False)  # -r: array tasks
     for line in live.splitlines():
         job_id, _, state = line.partition("|")
         if job_id in states:
@@ -56,7 +56,7 @@ async def cancel(job_id: str) -> None:
 async def jobs_named(name: str, comment: str) -> dict[str, str]:
     """Live jobs of this user with this job name and comment (a service's pilots, known or
     not): job id -> state."""
-    out = await run("squeue", "-h", "-u", getpass.getuser(), "-n", name, "-o", "%i|%T|%k")
+    out = await run("squeue", "-h", "-r", "-u", getpass.getuser(), "-n", name, "-o", "%i|%T|%k")
     found = {}
     for line in out.splitlines():
         job_id, state, job_comment = (line.split("|", 2) + ["", ""])[:3]

@@ -182,3 +182,30 @@ def test_settings_name_what_is_wrong():
         SlurmBackend.from_settings({"mode": "per-job", "runtime": "podman"})
     with pytest.raises(ValidationError, match="partitoin"):
         SlurmBackend.from_settings({"partitoin": "cpu"})
+
+
+def test_min_pilots_are_one_job_array_kept_warm(slurm_cluster):
+    settings = slurm_settings(min_pilots=2, max_pilots=3, sandboxes_per_pilot=2, pilot_idle_seconds=0)
+
+    async def scenario() -> None:
+        backend = SlurmBackend.from_settings(settings)
+        assert await backend.list() == []  # what the reconciler does first: the warm pool is submitted
+        warm = list(backend.pilots.values())
+        assert len(warm) == 2 and len({p.job_id.split("_")[0] for p in warm}) == 1  # one array, two tasks
+        assert all("_" in p.job_id for p in warm)
+        await asyncio.wait_for(asyncio.gather(*(p.ready.wait() for p in warm)), 60)
+        started = time.monotonic()
+        sandboxes = [await backend.create(SandboxSpec()) for _ in range(4)]
+        assert time.monotonic() - started < 3  # no pilot start on the way
+        assert backend.pilots_submitted == 2 and sorted(len(p.sandboxes) for p in warm) == [2, 2]
+        assert (await exec_on(backend, sandboxes[-1].sandbox_id, "echo warm"))["stdout"] == "warm\n"
+        for sandbox in sandboxes:
+            await backend.delete(sandbox.sandbox_id)
+        assert len([p for p in backend.pilots.values() if p.alive]) == 2  # idle, but kept: min_pilots
+        await backend.close()  # the service stops: empty pilots go
+
+    try:
+        asyncio.run(scenario())
+        assert wait_until_no_jobs(settings["job_name"]) == []
+    finally:
+        subprocess.run(["scancel", "-n", settings["job_name"]], check=False)
