@@ -38,7 +38,7 @@ def ms(seconds: list[float], q: float) -> float:
 async def pilots_gone(backend: SlurmBackend, within: float = 30.0) -> float:
     """Seconds until squeue shows none of this service's pilots (raises after ``within``)."""
     start = time.perf_counter()
-    while await slurm.jobs_named(backend.config.job_name, backend.job_comment):
+    while await slurm.jobs_named(backend.config.job_name, backend.pool.job_comment):
         if time.perf_counter() - start > within:
             raise TimeoutError(f"pilots still in squeue after {within:.0f} s")
         await asyncio.sleep(0.2)
@@ -55,11 +55,11 @@ async def measure(settings: dict[str, Any], image: str, sandboxes: int, samples:
     async with AsyncClient(backend="slurm", backend_settings=settings) as client:
         backend: SlurmBackend = client.backend  # type: ignore[assignment]
         if per_job:
-            await backend._bundle()  # built once, before the clock starts
+            await backend.pool.bundle()  # built once, before the clock starts
         start = time.perf_counter()
         first = await client.create(image)
         result["first_sandbox_cold_s"] = round(time.perf_counter() - start, 3)
-        pilot = backend.pilots[backend.owner[first.id]]
+        pilot = backend.pool.pilots[backend.pool.owner[first.id]]
         result["pilot_start_s"] = round((pilot.ready_at or 0) - pilot.submitted_at, 3)
 
         ready: list[float] = []
@@ -92,11 +92,11 @@ async def measure(settings: dict[str, Any], image: str, sandboxes: int, samples:
                     failures.append(f"{handle.id}: {job.exit_code} {job.stderr[-200:]}")
                 return handle
 
-        submitted_before = backend.pilots_submitted
+        submitted_before = backend.pool.pilots_submitted
         start = time.perf_counter()
         outcomes = await asyncio.gather(*(one(i) for i in range(sandboxes)), return_exceptions=True)
         result["all_created_and_ran_s"] = round(time.perf_counter() - start, 2)
-        result["pilots_used"] = backend.pilots_submitted - submitted_before
+        result["pilots_used"] = backend.pool.pilots_submitted - submitted_before
         handles = [o for o in outcomes if not isinstance(o, BaseException)]
         await asyncio.gather(*(handle.delete() for handle in handles))
         result["end_to_end_s"] = round(time.perf_counter() - start, 2)

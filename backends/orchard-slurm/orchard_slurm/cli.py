@@ -43,7 +43,7 @@ def pilots(config_file: Path, as_json: bool) -> None:
         try:
             return await backend.pilot_jobs()
         finally:
-            for pilot in backend.pilots.values():  # close connections only: pilots stay
+            for pilot in backend.pool.pilots.values():  # close connections only: pilots stay
                 if pilot.api is not None:
                     await pilot.api.close()
 

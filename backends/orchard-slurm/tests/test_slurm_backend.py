@@ -41,8 +41,8 @@ async def exec_on(backend: SlurmBackend, sandbox_id: str, command: str) -> dict:
 def test_pilots_pack_sandboxes_run_commands_and_leave_nothing(backend):
     async def scenario() -> None:
         sandboxes = await asyncio.gather(*(backend.create(SandboxSpec()) for _ in range(5)))
-        assert sorted(len(p.sandboxes) for p in backend.pilots.values()) == [2, 3]  # two pilots, packed
-        assert len({p.job_id for p in backend.pilots.values()}) == 2
+        assert sorted(len(p.sandboxes) for p in backend.pool.pilots.values()) == [2, 3]  # two pilots, packed
+        assert len({p.job_id for p in backend.pool.pilots.values()}) == 2
         for sandbox in sandboxes:
             job = await exec_on(backend, sandbox.sandbox_id, "echo $(hostname) $((6 * 7))")
             assert job["exit_code"] == 0 and job["stdout"] == f"{sandbox.sandbox_id} 42\n"
@@ -60,7 +60,7 @@ def test_pilots_pack_sandboxes_run_commands_and_leave_nothing(backend):
 def test_scancel_of_a_pilot_is_reported_lost_with_slurm_state_and_the_pool_recovers(backend):
     async def scenario() -> None:
         victim = await backend.create(SandboxSpec())
-        pilot = backend.pilots[backend.owner[victim.sandbox_id]]
+        pilot = backend.pool.pilots[backend.pool.owner[victim.sandbox_id]]
         subprocess.run(["scancel", pilot.job_id], check=True)
         started = time.monotonic()
         while (status := await backend.status(victim.sandbox_id)).status != "lost":
@@ -72,7 +72,7 @@ def test_scancel_of_a_pilot_is_reported_lost_with_slurm_state_and_the_pool_recov
         assert listed[victim.sandbox_id].status == "lost"
 
         fresh = await backend.create(SandboxSpec())
-        assert backend.owner[fresh.sandbox_id] != pilot.pilot_id
+        assert backend.pool.owner[fresh.sandbox_id] != pilot.pilot_id
         assert (await exec_on(backend, fresh.sandbox_id, "echo alive"))["stdout"] == "alive\n"
         await backend.delete(fresh.sandbox_id)
         await backend.delete(victim.sandbox_id)
@@ -84,12 +84,12 @@ def test_scancel_of_a_pilot_is_reported_lost_with_slurm_state_and_the_pool_recov
 def test_pilot_deletes_its_sandboxes_and_stops_on_slurms_warning_signal(backend):
     async def scenario() -> None:
         first, second = [await backend.create(SandboxSpec()) for _ in range(2)]
-        pilot = backend.pilots[backend.owner[first.sandbox_id]]
+        pilot = backend.pool.pilots[backend.pool.owner[first.sandbox_id]]
         await exec_on(backend, first.sandbox_id, "sleep 4242 & echo started")
         assert count_processes("sleep 4242") == 1
         script = next((backend.config.shared_dir / "submitit" / pilot.job_id).glob("*_submission.sh")).read_text()
         assert f"--signal=USR2@{backend.config.stop_margin_seconds}" in script and "--no-requeue" in script
-        assert f"--comment={backend.job_comment}" in script
+        assert f"--comment={backend.pool.job_comment}" in script
         subprocess.run(["scancel", "--signal=USR2", pilot.job_id], check=True)  # what Slurm sends before the limit
         started = time.monotonic()
         while (status := await backend.status(second.sandbox_id)).status != "lost":
@@ -112,15 +112,15 @@ def test_a_restarted_service_adopts_its_pilots_and_cancels_orphans_but_not_other
         first, neighbour = SlurmBackend.from_settings(settings), SlurmBackend.from_settings(neighbour_settings)
         kept, orphaned = [await first.create(SandboxSpec()) for _ in range(2)]
         other = await neighbour.create(SandboxSpec())
-        orphan_pilot = first.pilots[first.owner[orphaned.sandbox_id]]
-        for api in [p.api for p in first.pilots.values()]:
+        orphan_pilot = first.pool.pilots[first.pool.owner[orphaned.sandbox_id]]
+        for api in [p.api for p in first.pool.pilots.values()]:
             await api.close()  # the service dies without cleaning up ...
         shutil.rmtree(orphan_pilot.directory)  # ... and one pilot's record is lost with it
 
         restarted = SlurmBackend.from_settings(settings)
         listed = {s.sandbox_id for s in await restarted.list()}
         assert kept.sandbox_id in listed and orphaned.sandbox_id not in listed
-        assert restarted.orphans_cancelled == 1
+        assert restarted.pool.orphans_cancelled == 1
         assert (await exec_on(restarted, kept.sandbox_id, "echo adopted"))["stdout"] == "adopted\n"
         states = await slurm_job_states([orphan_pilot.job_id])
         assert states[orphan_pilot.job_id] in ("CANCELLED", "COMPLETING")
@@ -190,18 +190,18 @@ def test_min_pilots_are_one_job_array_kept_warm(slurm_cluster):
     async def scenario() -> None:
         backend = SlurmBackend.from_settings(settings)
         assert await backend.list() == []  # what the reconciler does first: the warm pool is submitted
-        warm = list(backend.pilots.values())
+        warm = list(backend.pool.pilots.values())
         assert len(warm) == 2 and len({p.job_id.split("_")[0] for p in warm}) == 1  # one array, two tasks
         assert all("_" in p.job_id for p in warm)
         await asyncio.wait_for(asyncio.gather(*(p.ready.wait() for p in warm)), 60)
         started = time.monotonic()
         sandboxes = [await backend.create(SandboxSpec()) for _ in range(4)]
         assert time.monotonic() - started < 3  # no pilot start on the way
-        assert backend.pilots_submitted == 2 and sorted(len(p.sandboxes) for p in warm) == [2, 2]
+        assert backend.pool.pilots_submitted == 2 and sorted(len(p.sandboxes) for p in warm) == [2, 2]
         assert (await exec_on(backend, sandboxes[-1].sandbox_id, "echo warm"))["stdout"] == "warm\n"
         for sandbox in sandboxes:
             await backend.delete(sandbox.sandbox_id)
-        assert len([p for p in backend.pilots.values() if p.alive]) == 2  # idle, but kept: min_pilots
+        assert len([p for p in backend.pool.pilots.values() if p.alive]) == 2  # idle, but kept: min_pilots
         await backend.close()  # the service stops: empty pilots go
 
     try:

@@ -29,7 +29,7 @@ def test_pilots_lists_known_and_orphaned_jobs_and_cancel_all_ends_them(slurm_clu
     async def two_pilots() -> list[str]:
         backend = SlurmBackend.from_settings(settings)
         sandboxes = [await backend.create(SandboxSpec()) for _ in range(2)]
-        pilots = [backend.pilots[backend.owner[s.sandbox_id]] for s in sandboxes]
+        pilots = [backend.pool.pilots[backend.pool.owner[s.sandbox_id]] for s in sandboxes]
         for pilot in pilots:
             await pilot.api.close()  # the service goes away, its pilots stay
         shutil.rmtree(pilots[1].directory)  # and one pilot's record is lost: an orphan
