@@ -45,10 +45,11 @@ class Pilot:
     idle_since: float = field(default_factory=time.time)
     ready: asyncio.Event = field(default_factory=asyncio.Event)
     failure: Optional[str] = None
+    stopped: Optional[dict] = None  # its stop.json: told to stop (its job may still be ending)
 
     @property
     def alive(self) -> bool:
-        return self.state in slurm.LIVE_STATES and self.failure is None
+        return self.state in slurm.LIVE_STATES and self.failure is None and self.stopped is None
 
     def remaining_seconds(self) -> float:
         start = self.ready_at or time.time()
@@ -57,11 +58,16 @@ class Pilot:
     def lost_reason(self) -> str:
         if self.failure:
             return self.failure
-        stopped = read_stop_record(self.directory)
+        stopped = self.stopped or read_stop_record(self.directory)
         if stopped:
-            return (f"its pilot, Slurm job {self.job_id}, stopped on {stopped['signal']} ({stopped['reason']}) "
-                    f"and ended: {self.state}")
+            ended = "" if self.state in slurm.LIVE_STATES else f" and ended: {self.state}"
+            return f"its pilot, Slurm job {self.job_id}, stopped on {stopped['signal']} ({stopped['reason']}){ended}"
         return f"its pilot, Slurm job {self.job_id}, ended: {self.state}"
+
+    def check_stopped(self) -> None:
+        """Read the pilot's stop record (it writes one on Slurm's warning, before its agent goes)."""
+        if self.stopped is None and self.url is not None:
+            self.stopped = read_stop_record(self.directory)
 
 
 class PilotPool:
@@ -216,8 +222,9 @@ class PilotPool:
         for pilot in self.pilots.values():
             if pilot.job_id in states:
                 pilot.state = states[pilot.job_id]
-                if not pilot.alive:
-                    pilot.ready.set()
+            pilot.check_stopped()
+            if not pilot.alive:
+                pilot.ready.set()
 
     async def adopt(self) -> None:
         """Pilots a previous service left running (their records are in the shared directory)."""
