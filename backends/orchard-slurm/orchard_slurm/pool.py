@@ -288,7 +288,7 @@ class PilotPool:
         for pilot in list(self.pilots.values()):
             if not pilot.alive:
                 if not pilot.sandboxes:
-                    self.forget(pilot)
+                    await self.forget(pilot)
                 continue
             if pilot.sandboxes or pilot.url is None:
                 continue
@@ -297,12 +297,12 @@ class PilotPool:
             if now - pilot.idle_since >= idle_limit and live > self.config.min_pilots:
                 await slurm.cancel(pilot.job_id)
                 pilot.state = "CANCELLED"
-                self.forget(pilot)
+                await self.forget(pilot)
 
-    def forget(self, pilot: Pilot) -> None:
+    async def forget(self, pilot: Pilot) -> None:
         self.pilots.pop(pilot.pilot_id, None)
         if pilot.api is not None:
-            asyncio.get_running_loop().create_task(pilot.api.close())
+            await pilot.api.close()
         shutil.rmtree(pilot.directory, ignore_errors=True)
 
     def pilot_of(self, sandbox_id: str) -> Pilot:
@@ -343,7 +343,7 @@ class PilotPool:
             jobs.add(pilot.job_id)
             pilot.state = "CANCELLED"
             pilot.sandboxes.clear()
-            self.forget(pilot)
+            await self.forget(pilot)
         for job_id in sorted(jobs):
             await slurm.cancel(job_id)
         return len(jobs)
