@@ -10,10 +10,10 @@ from typing import Optional
 import click
 from rich.table import Table
 
-from orchard.cli.common import api_key_option, backend_option, handle_errors, out, url_option
+from orchard.cli.common import PluginGroup, api_key_option, backend_option, handle_errors, out, url_option
 
 
-@click.group()
+@click.group(cls=PluginGroup)
 def bench() -> None:
     """Benchmarks (results as a table and as JSON)."""
 

@@ -23,6 +23,33 @@ backend_option = click.option("--backend", envvar="ORCHARD_BACKEND", default="lo
 json_option = click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
 
 
+class PluginGroup(click.Group):
+    """A group that asks plugins for their commands (hook ``orchard_add_commands``) only when
+    a name is not built in, or when every name is listed: a built-in command loads no plugin."""
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> Optional[click.Command]:
+        command = super().get_command(ctx, cmd_name)
+        if command is None and load_plugin_commands(ctx):
+            command = super().get_command(ctx, cmd_name)
+        return command
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        load_plugin_commands(ctx)
+        return super().list_commands(ctx)
+
+
+def load_plugin_commands(ctx: click.Context) -> bool:
+    """Let every plugin add its commands to the root group, once; False if already done."""
+    root = ctx.find_root().command
+    if getattr(root, "plugins_loaded", False):
+        return False
+    root.plugins_loaded = True  # type: ignore[attr-defined]
+    from orchard.plugins import get_plugin_manager
+
+    get_plugin_manager().hook.orchard_add_commands(cli=root)
+    return True
+
+
 def print_json(data: Any) -> None:
     click.echo(json.dumps(data, indent=2, default=str))
 

@@ -6,7 +6,7 @@ import click
 from rich.table import Table
 
 from orchard import __version__
-from orchard.cli.common import handle_errors, json_option, out, print_json
+from orchard.cli.common import PluginGroup, handle_errors, json_option, out, print_json
 from orchard.cli.agent import agent
 from orchard.cli.bench import bench
 from orchard.cli.credit import credit
@@ -16,7 +16,7 @@ from orchard.cli.quickstart import quickstart
 from orchard.cli.serve import serve
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=PluginGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="orchard")
 def cli() -> None:
     """Orchard: sandboxes for training language-model agents."""
@@ -55,7 +55,4 @@ cli.add_command(train)
 
 
 def main() -> None:
-    from orchard.plugins import get_plugin_manager
-
-    get_plugin_manager().hook.orchard_add_commands(cli=cli)
     cli()

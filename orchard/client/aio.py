@@ -54,9 +54,6 @@ class GoneAgent:
         raise self.error
         yield {}  # pragma: no cover - makes this an async generator
 
-    async def close(self) -> None:
-        return None
-
 
 class AsyncSandbox:
     """A handle on one sandbox. ``async with`` deletes it on the way out, whatever happens."""

@@ -1,8 +1,9 @@
 """Pytest plugin (entry point ``pytest11: orchard``): options and fixtures of the kit.
 
 ``--orchard-backend NAME`` (repeatable) chooses the backends the conformance tests
-run against (default: the test module's ``orchard_backends`` list, else local); ``--orchard-backend-config FILE`` is a YAML or JSON
-mapping ``{backend name: settings}`` validated by each backend's own config model.
+run against (default: the test module's ``orchard_backends`` list, else local);
+``--orchard-backend-config FILE`` is a YAML or JSON mapping ``{backend name: settings}``
+validated by each backend's own config model.
 A project's conftest may instead override the ``orchard_backend_settings`` fixture.
 """
 

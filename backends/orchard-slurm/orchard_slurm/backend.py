@@ -141,7 +141,7 @@ class SlurmBackend(Backend):
         return AgentEndpoint(url=pilot.url, token=pilot.token)
 
     async def resources(self) -> dict[str, Any]:
-        live = [p for p in self.pool.pilots.values() if p.alive]
+        live = self.pool.live()
         return {"pilots": len(live), "max_pilots": self.config.max_pilots, "orphans_cancelled": self.pool.orphans_cancelled,
                 "sandboxes": sum(len(p.sandboxes) for p in live),
                 "capacity": self.config.max_pilots * self.config.sandboxes_per_pilot,

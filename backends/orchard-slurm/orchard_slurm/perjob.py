@@ -26,14 +26,18 @@ from typing import Optional
 
 from orchard.agent.images import ImageStore, ResolvedImage
 from orchard.agent.reaper import ChildReaper
-from orchard.agent.runtimes.mounts import mount, unmount
+from orchard.agent.runtimes.api import DEFAULT_PATH
+from orchard.agent.runtimes.layers import ensure_paths, overlay_root
+from orchard.agent.runtimes.mounts import unmount
 from orchard.errors import OrchardError
 from orchard_slurm.pilot import write_stop_record
+from orchard_slurm.runtimes.apptainer import pilot_has_gpus
+from orchard_slurm.runtimes.charliecloud import CH_RUN_DIRS, CH_RUN_FILES
 
 AGENT = ["/opt/orchard/bin/orchard-agent", "--runtime", "direct", "--state-dir", "/orchard-run/state",
          "--uds", "/orchard-run/agent.sock"]
-CONTAINER_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 UNPRIVILEGED = (100000, 100000)  # whom a root job runs the container as
+CONTAINER_DIRS = ("opt/orchard", "orchard-run", "root", *CH_RUN_DIRS)  # bind targets of the three tools
 
 
 @dataclass
@@ -75,7 +79,7 @@ def container_argv(job: SandboxJob, root: Path, run_dir: Path, writable: bool) -
             options += ["--bind", f"{source}:{target}"]
         if job.block_network:
             options += ["--net", "--network", "none"]
-        if os.environ.get("SLURM_JOB_GPUS") or os.environ.get("CUDA_VISIBLE_DEVICES"):
+        if pilot_has_gpus(dict(os.environ)):
             options.append("--nv")
         return get_client(quiet=True)._init_command(["exec"], None) + options + [job.image, *AGENT]
     raise ValueError(f"per-job mode runs bwrap, charliecloud or apptainer containers, not {job.runtime!r}")
@@ -102,24 +106,13 @@ def prepare_root(job: SandboxJob, image: ResolvedImage, work: Path) -> tuple[Pat
         raise FileNotFoundError(f"per-job image {job.image!r}: not a directory image")
     if os.geteuid() != 0:
         if job.image.startswith("docker://"):  # our own unpacked copy: give it the mount points
-            add_mount_points(image.rootfs)
+            ensure_paths(image.rootfs, CONTAINER_DIRS, CH_RUN_FILES)
         return image.rootfs, False, []
-    upper, lower_work, root = work / "upper", work / "work", work / "root"
-    for path in (upper, lower_work, root):
-        path.mkdir(parents=True)
-        os.chown(path, *UNPRIVILEGED)
-    mount("overlay", root, "overlay", f"lowerdir={image.rootfs},upperdir={upper},workdir={lower_work}")
-    add_mount_points(root)
+    mounts: list[Path] = []
+    root = overlay_root(image.rootfs, work, UNPRIVILEGED, None, mounts)
+    ensure_paths(root, CONTAINER_DIRS, CH_RUN_FILES)
     os.chown(root / "root", *UNPRIVILEGED)
-    return root, True, [root]
-
-
-def add_mount_points(root: Path) -> None:
-    for point in ("opt/orchard", "orchard-run", "tmp", "proc", "dev", "sys", "etc", "root"):
-        (root / point).mkdir(parents=True, exist_ok=True)
-    for name in ("etc/hosts", "etc/resolv.conf", "etc/passwd", "etc/group"):
-        if not (root / name).exists() and not (root / name).is_symlink():
-            (root / name).touch()
+    return root, True, mounts
 
 
 async def relay(listen_host: str, socket_path: Path) -> asyncio.AbstractServer:
@@ -176,14 +169,14 @@ async def _run(job: SandboxJob) -> None:
             os.chown(run_dir, *UNPRIVILEGED)
             prefix = [str(Path(job.bundle) / "bin" / "orchard-enter"), "--uid", str(UNPRIVILEGED[0]),
                       "--gid", str(UNPRIVILEGED[1]), "--"]
-        env = {"PATH": CONTAINER_PATH, "HOME": "/root", "USER": "orchard", **image.env,
+        env = {"PATH": DEFAULT_PATH, "HOME": "/root", "USER": "orchard", **image.env,
                "ORCHARD_AGENT_TOKEN": token}
         if image.workdir:
             env["ORCHARD_WORKDIR"] = image.workdir  # the direct runtime's default cwd
         if job.runtime == "apptainer":  # --containall starts from a clean environment
             env.update({f"APPTAINERENV_{key}": value for key, value in env.items() if key.startswith("ORCHARD_")})
         argv = [*prefix, *container_argv(job, root, run_dir, writable)]
-        executable = shutil.which(argv[0], path=CONTAINER_PATH + ":" + os.environ.get("PATH", "")) or argv[0]
+        executable = shutil.which(argv[0], path=DEFAULT_PATH + ":" + os.environ.get("PATH", "")) or argv[0]
         container = os.posix_spawn(executable, argv, {**os.environ, **env} if job.runtime == "apptainer" else env,
                                    file_actions=[(os.POSIX_SPAWN_OPEN, 0, "/dev/null", os.O_RDONLY, 0),
                                                  (os.POSIX_SPAWN_DUP2, log_fd, 1), (os.POSIX_SPAWN_DUP2, log_fd, 2)],

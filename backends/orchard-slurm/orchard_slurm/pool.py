@@ -83,6 +83,9 @@ class PilotPool:
         self.orphans_cancelled = 0
         self.pilots_submitted = 0
 
+    def live(self) -> list[Pilot]:
+        return [pilot for pilot in self.pilots.values() if pilot.alive]
+
     @property
     def pilots_dir(self) -> Path:
         return self.config.shared_dir / "pilots"
@@ -165,7 +168,7 @@ class PilotPool:
         """Top the pool up to ``min_pilots`` live pilots, in one job array (pilot mode)."""
         if self.config.mode != "pilot" or not self.config.min_pilots:
             return
-        live = sum(1 for p in self.pilots.values() if p.alive)
+        live = len(self.live())
         if live < self.config.min_pilots:
             await self.submit_pilots(self.config.min_pilots - live)
 
@@ -266,7 +269,7 @@ class PilotPool:
             await self.adopt()
             await self.refresh()
             if self.config.mode == "per-job":
-                live = sum(1 for p in self.pilots.values() if p.alive)
+                live = len(self.live())
                 if live >= self.config.max_pilots:
                     raise BackendUnavailable(f"{live} sandbox jobs are running and max_pilots is "
                                              f"{self.config.max_pilots} (per-job mode: one job per sandbox)")
@@ -277,7 +280,7 @@ class PilotPool:
                 if (pilot.alive and len(pilot.sandboxes) < self.config.sandboxes_per_pilot
                         and pilot.remaining_seconds() > margin):
                     return pilot
-            live = sum(1 for p in self.pilots.values() if p.alive)
+            live = len(self.live())
             if live >= self.config.max_pilots:
                 raise BackendUnavailable(f"all {live} pilots are full ({self.config.sandboxes_per_pilot} sandboxes "
                                          f"each) and max_pilots is {self.config.max_pilots}")
@@ -293,7 +296,7 @@ class PilotPool:
             if pilot.sandboxes or pilot.url is None:
                 continue
             idle_limit = 0 if self.config.mode == "per-job" else self.config.pilot_idle_seconds
-            live = sum(1 for p in self.pilots.values() if p.alive)
+            live = len(self.live())
             if now - pilot.idle_since >= idle_limit and live > self.config.min_pilots:
                 await slurm.cancel(pilot.job_id)
                 pilot.state = "CANCELLED"

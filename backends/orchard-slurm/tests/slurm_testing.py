@@ -1,14 +1,19 @@
-"""Helpers of the Slurm backend's tests (the dev cluster's job queue, per-test settings)."""
+"""Helpers of the Slurm backend's tests (the dev cluster's job queue, per-test settings,
+clients and scenarios that must leave no job behind)."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Awaitable, Callable, Iterator
+
+import pytest
 
 REPO = Path(__file__).resolve().parents[3]
 if str(REPO) not in sys.path:
@@ -35,3 +40,33 @@ def slurm_settings(**overrides: Any) -> dict[str, Any]:
     settings = {"shared_dir": str(shared), "agent_host": "127.0.0.1", "time_limit_minutes": 10,
                 "min_remaining_minutes": 0, "job_name": f"orchard-test-{os.getpid()}-{time.monotonic_ns() % 10**6}"}
     return {**settings, **overrides}
+
+
+def run_leaving_no_jobs(job_name: str, scenario: Callable[[], Awaitable[None]], check: bool = True) -> None:
+    """Run ``scenario``; then no job of ``job_name`` may be left (they are cancelled regardless)."""
+    try:
+        asyncio.run(scenario())
+        if check:
+            assert wait_until_no_jobs(job_name) == []
+    finally:
+        subprocess.run(["scancel", "-n", job_name], check=False)
+
+
+@contextlib.contextmanager
+def slurm_client(settings: dict[str, Any]) -> Iterator[Any]:
+    """An in-process SDK client on the slurm backend; its pilots must be gone once it closes."""
+    from orchard.client import Client
+
+    client = Client(backend="slurm", backend_settings=settings)
+    try:
+        yield client
+    finally:
+        client.close()
+    assert wait_until_no_jobs(settings["job_name"]) == []
+
+
+def require(runtime: type) -> None:
+    """Fail (never skip) when a runtime's tools are missing: make system-deps installs them."""
+    reason = runtime.unavailable_reason()
+    if reason:
+        pytest.fail(f"{runtime.name} cannot run here: {reason}")

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import time
 from pathlib import Path
@@ -17,8 +16,9 @@ import pytest
 
 from orchard.client import Client
 from orchard.errors import InvalidRequest, SandboxLost
-from slurm_testing import slurm_settings, wait_until_no_jobs
-from test_charliecloud import busybox_image
+from orchard_slurm.runtimes.charliecloud import CharliecloudRuntime
+from slurm_testing import require, slurm_settings, wait_until_no_jobs
+from tests.images import busybox_rootfs
 
 FAKE = Path(__file__).parent / "fake_apptainer"
 CH_RUN_POINTS = ("dev", "proc", "sys", "tmp", "etc", "home", "mnt")
@@ -26,11 +26,10 @@ CH_RUN_POINTS = ("dev", "proc", "sys", "tmp", "etc", "home", "mnt")
 
 @pytest.fixture(scope="module")
 def apptainer(slurm_cluster):
-    if shutil.which("ch-run") is None:
-        pytest.fail("ch-run is not installed: make system-deps installs charliecloud-runtime")
+    require(CharliecloudRuntime)  # what the test double runs underneath
     settings = slurm_settings(runtime="apptainer", max_pilots=1, pilot_idle_seconds=30)
     shared = Path(settings["shared_dir"])
-    image = busybox_image(shared / "image")  # read-only under the double: it needs its mount points
+    image = busybox_rootfs(shared / "image")  # read-only under the double: it needs its mount points
     for point in CH_RUN_POINTS:
         (image / point).mkdir(exist_ok=True)
     for name in ("hosts", "resolv.conf", "group", "passwd"):

@@ -5,29 +5,15 @@ commands join it through orchard-enter like bubblewrap sandboxes."""
 from __future__ import annotations
 
 import os
-import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
 
 from orchard.bench.measure import count_processes
-from orchard.client import Client
 from orchard.errors import InvalidRequest
-from slurm_testing import slurm_settings, wait_until_no_jobs
-
-BUSYBOX = Path("/bin/busybox")
-
-
-def busybox_image(target: Path) -> Path:
-    """A directory image of busybox-static alone: no libc, no mount points for ch-run."""
-    (target / "bin").mkdir(parents=True)
-    shutil.copy2(BUSYBOX, target / "bin" / "busybox")
-    for applet in subprocess.run([str(BUSYBOX), "--list"], capture_output=True, text=True, check=True).stdout.split():
-        if applet != "busybox":
-            (target / "bin" / applet).symlink_to("busybox")
-    (target / "root").mkdir()
-    return target
+from orchard_slurm.runtimes.charliecloud import CharliecloudRuntime
+from slurm_testing import require, slurm_client, slurm_settings
+from tests.images import busybox_rootfs
 
 
 def holders() -> int:
@@ -43,14 +29,11 @@ def holders() -> int:
 
 @pytest.fixture(scope="module")
 def charliecloud(slurm_cluster):
-    if shutil.which("ch-run") is None:
-        pytest.fail("ch-run is not installed: make system-deps installs charliecloud-runtime")
+    require(CharliecloudRuntime)
     settings = slurm_settings(runtime="charliecloud", sandboxes_per_pilot=8, max_pilots=1, pilot_idle_seconds=30)
-    image = busybox_image(Path(settings["shared_dir"]) / "busybox-image")
-    client = Client(backend="slurm", backend_settings=settings)
-    yield client, str(image)
-    client.close()
-    assert wait_until_no_jobs(settings["job_name"]) == []
+    image = busybox_rootfs(Path(settings["shared_dir"]) / "busybox-image")
+    with slurm_client(settings) as client:
+        yield client, str(image)
 
 
 def test_commands_run_in_the_image_with_pid_namespace_and_state_across_commands(charliecloud):

@@ -4,7 +4,6 @@ directory and uses a sandbox, and scancel of the service stops it cleanly."""
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 import time
@@ -13,15 +12,10 @@ from pathlib import Path
 import yaml
 
 from slurm_testing import REPO, slurm_settings, squeue_jobs, wait_until_no_jobs
+from tests.images import free_port  # importable once slurm_testing put the repository on sys.path
 
 SMALL = ["--cpus-per-task=1", "--mem=1G", "--time=10"]  # the dev node is 2 CPUs and no GPU
 VENV = sys.prefix  # what a site sets as ORCHARD_VENV: the scripts must not depend on the caller's PATH
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def sbatch(*args: str) -> str:

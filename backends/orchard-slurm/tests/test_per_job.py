@@ -14,20 +14,17 @@ from pathlib import Path
 import httpx
 import pytest
 
-from orchard.client import Client
 from orchard.errors import InvalidRequest
-from slurm_testing import slurm_settings, squeue_jobs, wait_until_no_jobs
-from test_charliecloud import busybox_image
+from slurm_testing import slurm_client, slurm_settings, squeue_jobs
+from tests.images import busybox_rootfs
 
 
 @pytest.fixture(scope="module", params=["bwrap", "charliecloud"])
 def per_job(request, slurm_cluster, agent_bundle):
     settings = slurm_settings(mode="per-job", runtime=request.param, max_pilots=3, bundle_dir=str(agent_bundle))
-    image = busybox_image(Path(settings["shared_dir"]) / "image")
-    client = Client(backend="slurm", backend_settings=settings)
-    yield client, str(image), settings["job_name"], Path(settings["shared_dir"])
-    client.close()
-    assert wait_until_no_jobs(settings["job_name"]) == []
+    image = busybox_rootfs(Path(settings["shared_dir"]) / "image")
+    with slurm_client(settings) as client:
+        yield client, str(image), settings["job_name"], Path(settings["shared_dir"])
 
 
 def live_jobs(job_name: str) -> set[str]:

@@ -4,31 +4,23 @@ limits hold for them too."""
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
 
-from orchard.client import Client
 from orchard.errors import InvalidRequest
-from slurm_testing import slurm_settings, wait_until_no_jobs
-from test_charliecloud import busybox_image
+from orchard_slurm.runtimes.podman import PodmanRuntime
+from slurm_testing import require, slurm_client, slurm_settings
+from tests.images import busybox_rootfs
 
 
 @pytest.fixture(scope="module")
 def podman(slurm_cluster):
-    for tool in ("podman", "runc"):
-        if shutil.which(tool) is None:
-            pytest.fail(f"{tool} is not installed: make system-deps installs podman and runc")
+    require(PodmanRuntime)
     settings = slurm_settings(runtime="podman", sandboxes_per_pilot=8, max_pilots=1, pilot_idle_seconds=30)
-    image = busybox_image(Path(settings["shared_dir"]) / "busybox-image")
-    (image / "workspace").mkdir()
-    (image / "tmp").mkdir()
-    (image / "tmp").chmod(0o1777)
-    client = Client(backend="slurm", backend_settings=settings)
-    yield client, str(image)
-    client.close()
-    assert wait_until_no_jobs(settings["job_name"]) == []
+    image = busybox_rootfs(Path(settings["shared_dir"]) / "busybox-image")
+    with slurm_client(settings) as client:
+        yield client, str(image)
 
 
 def test_containers_run_commands_with_their_namespaces_and_limits(podman):

@@ -19,7 +19,7 @@ from orchard.models import SandboxSpec
 from orchard_slurm.backend import SlurmBackend
 from orchard_slurm.slurm import job_states as slurm_job_states
 
-from slurm_testing import slurm_settings, wait_until_no_jobs
+from slurm_testing import run_leaving_no_jobs, slurm_settings, wait_until_no_jobs
 
 
 @pytest.fixture
@@ -132,11 +132,7 @@ def test_a_restarted_service_adopts_its_pilots_and_cancels_orphans_but_not_other
             await backend.delete(sandbox.sandbox_id)
             await backend.close()
 
-    try:
-        asyncio.run(scenario())
-        assert wait_until_no_jobs(settings["job_name"]) == []
-    finally:
-        subprocess.run(["scancel", "-n", settings["job_name"]], check=False)
+    run_leaving_no_jobs(settings["job_name"], scenario)
 
 
 def test_a_pilot_near_its_real_time_limit_stops_cleanly_on_its_own(slurm_cluster):
@@ -155,11 +151,7 @@ def test_a_pilot_near_its_real_time_limit_stops_cleanly_on_its_own(slurm_cluster
         await backend.delete(sandbox.sandbox_id)
         await backend.close()
 
-    try:
-        asyncio.run(scenario())
-        assert wait_until_no_jobs(settings["job_name"]) == []
-    finally:
-        subprocess.run(["scancel", "-n", settings["job_name"]], check=False)
+    run_leaving_no_jobs(settings["job_name"], scenario)
 
 
 def test_a_pilot_that_never_starts_its_agent_says_why(slurm_cluster):
@@ -172,10 +164,7 @@ def test_a_pilot_that_never_starts_its_agent_says_why(slurm_cluster):
             await backend.create(SandboxSpec())
         await backend.close()
 
-    try:
-        asyncio.run(scenario())
-    finally:
-        subprocess.run(["scancel", "-n", settings["job_name"]], check=False)
+    run_leaving_no_jobs(settings["job_name"], scenario, check=False)
 
 
 def test_settings_name_what_is_wrong():
@@ -207,8 +196,4 @@ def test_min_pilots_are_one_job_array_kept_warm(slurm_cluster):
         assert len([p for p in backend.pool.pilots.values() if p.alive]) == 2  # idle, but kept: min_pilots
         await backend.close()  # the service stops: empty pilots go
 
-    try:
-        asyncio.run(scenario())
-        assert wait_until_no_jobs(settings["job_name"]) == []
-    finally:
-        subprocess.run(["scancel", "-n", settings["job_name"]], check=False)
+    run_leaving_no_jobs(settings["job_name"], scenario)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,14 +16,9 @@ import yaml
 
 from orchard.client.aio import AsyncClient
 from slurm_testing import slurm_settings, squeue_jobs, wait_until_no_jobs
+from tests.images import free_port  # importable once slurm_testing put the repository on sys.path
 
 SANDBOXES = 100
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def start_server(config_path: Path, port: int, log_path: Path) -> subprocess.Popen:

@@ -19,6 +19,8 @@ if TYPE_CHECKING:
     from orchard.agent.sandbox import SandboxState
     from orchard.agent.settings import AgentSettings
 
+DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"  # inside a sandbox whose image sets none
+
 
 @dataclass
 class RuntimeContext:

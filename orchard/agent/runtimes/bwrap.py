@@ -18,12 +18,11 @@ from typing import Optional
 
 from orchard.agent.files import SandboxFiles
 from orchard.agent.images import ResolvedImage
-from orchard.agent.runtimes.api import IsolationRuntime
-from orchard.agent.runtimes.holder import HOLD_ARGS, launcher_prefix, spawn_holder, stop_held
+from orchard.agent.runtimes.api import DEFAULT_PATH, IsolationRuntime
+from orchard.agent.runtimes.holder import HOLD_ARGS, launcher_prefix, limit, spawn_holder, stop_held
 from orchard.agent.runtimes.layers import image_workdir, writable_root
 from orchard.agent.sandbox import Placement, SandboxState
-from orchard.errors import QuotaExceeded
-from orchard.quantities import optional_bytes, parse_cpu
+from orchard.quantities import optional_bytes
 
 # Read-only host paths the ``host`` image exposes; nothing else of the host is visible.
 # Of /etc only an allow-list is copied (see build_host_etc), and bound with a single mount.
@@ -34,7 +33,6 @@ HOST_ETC_ALLOWLIST = (
     "magic", "mime.types", "nsswitch.conf", "os-release", "pki", "profile", "profile.d", "protocols", "python3",
     "python3.11", "services", "skel", "ssl", "terminfo", "timezone", "xdg",
 )
-DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 SANDBOX_HOME = "/home/user"
 
 
@@ -89,12 +87,7 @@ class BwrapRuntime(IsolationRuntime):
             args = self._rootfs_args(sandbox, image, disk, owner, placement)
         placement.env.setdefault("PATH", DEFAULT_PATH)
         placement.env.update(spec.env)
-        if self.context.cgroups.available:
-            sandbox.cgroup = self.context.cgroups.create(
-                sandbox.sandbox_id, optional_bytes(spec.memory or settings.default_memory), spec.pids or settings.default_pids,
-                parse_cpu(spec.cpu) if spec.cpu else None)
-        elif spec.memory or spec.pids or spec.cpu:
-            raise QuotaExceeded("resource limits were asked for, but no cgroup hierarchy is writable here")
+        limit(self.context, sandbox)
         await self._spawn_holder(sandbox, args, owner)
         placement.shell = "bash" if self._has(placement, "/bin/bash") else "sh"
 

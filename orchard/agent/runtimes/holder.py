@@ -17,7 +17,8 @@ from typing import Optional
 from orchard.agent.runtimes.api import RuntimeContext
 from orchard.agent.runtimes.mounts import unmount
 from orchard.agent.sandbox import SandboxState
-from orchard.errors import RuntimeUnavailable
+from orchard.errors import QuotaExceeded, RuntimeUnavailable
+from orchard.quantities import optional_bytes, parse_cpu
 
 HOLD_ARGS = ["--hold", "--ready-fd", "3"]  # what follows the holder's path inside the sandbox
 
@@ -32,6 +33,18 @@ def launcher_prefix(context: RuntimeContext, sandbox: Optional[SandboxState],
     if owner:
         prefix += ["--uid", str(owner[0]), "--gid", str(owner[1])]
     return [*prefix, "--"]
+
+
+def limit(context: RuntimeContext, sandbox: SandboxState) -> None:
+    """Give the sandbox its cgroup: its own limits, else the agent's defaults; asking for
+    limits where no cgroup hierarchy is writable is an error, never ignored."""
+    settings, spec = context.settings, sandbox.spec
+    if context.cgroups.available:
+        sandbox.cgroup = context.cgroups.create(
+            sandbox.sandbox_id, optional_bytes(spec.memory or settings.default_memory),
+            spec.pids or settings.default_pids, parse_cpu(spec.cpu) if spec.cpu else None)
+    elif spec.memory or spec.pids or spec.cpu:
+        raise QuotaExceeded("resource limits were asked for, but no cgroup hierarchy is writable here")
 
 
 async def spawn_holder(context: RuntimeContext, sandbox: SandboxState, argv: list[str], env: dict[str, str],

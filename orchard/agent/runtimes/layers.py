@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Optional
+from typing import Iterable, Optional
 
 from orchard.agent.images import ResolvedImage
 from orchard.agent.runtimes.mounts import mount
@@ -21,22 +21,41 @@ def writable_root(sandbox: SandboxState, image: ResolvedImage, disk: Optional[in
     assert image.rootfs is not None
     sandbox.state_dir.mkdir(mode=0o700)  # only images with a writable layer need one
     os.chown(sandbox.state_dir, *owner)
-    layer, root = sandbox.state_dir / "layer", sandbox.state_dir / "root"
-    layer.mkdir()
-    root.mkdir()
     try:
-        if disk:
-            mount("tmpfs", layer, "tmpfs", f"size={disk},mode=0700,uid={owner[0]},gid={owner[1]}")
-            placement.mounts.insert(0, layer)
-        for sub in ("upper", "work"):
-            (layer / sub).mkdir()
-            os.chown(layer / sub, *owner)
-        mount("overlay", root, "overlay", f"lowerdir={image.rootfs},upperdir={layer / 'upper'},workdir={layer / 'work'}")
-        placement.mounts.insert(0, root)
-        os.chown(root, *owner)
+        return overlay_root(image.rootfs, sandbox.state_dir, owner, disk, placement.mounts)
     except OSError as exc:
         raise ImageRejected(f"cannot build the writable layer of {image.reference}: {exc}") from None
+
+
+def overlay_root(lower: Path, directory: Path, owner: tuple[int, int], disk: Optional[int],
+                 mounts: list[Path]) -> Path:
+    """Mount ``directory/root``: an overlay of ``lower`` whose upper layer lives in
+    ``directory/layer`` (a tmpfs of ``disk`` bytes when given), owned by ``owner``. Each
+    mount is put at the front of ``mounts`` as it is made, so a failure part-way still
+    leaves the caller the list to undo."""
+    layer, root = directory / "layer", directory / "root"
+    layer.mkdir()
+    root.mkdir()
+    if disk:
+        mount("tmpfs", layer, "tmpfs", f"size={disk},mode=0700,uid={owner[0]},gid={owner[1]}")
+        mounts.insert(0, layer)
+    for sub in ("upper", "work"):
+        (layer / sub).mkdir()
+        os.chown(layer / sub, *owner)
+    mount("overlay", root, "overlay", f"lowerdir={lower},upperdir={layer / 'upper'},workdir={layer / 'work'}")
+    mounts.insert(0, root)
+    os.chown(root, *owner)
     return root
+
+
+def ensure_paths(root: Path, directories: Iterable[str], files: Iterable[str]) -> None:
+    """Create what a container tool binds onto and an image lacks, in a writable root (a
+    sandbox's own layer or our own unpacked copy, never a shared image)."""
+    for name in directories:
+        (root / name).mkdir(parents=True, exist_ok=True)
+    for name in files:
+        if not (root / name).exists() and not (root / name).is_symlink():
+            (root / name).touch()
 
 
 def image_workdir(image: ResolvedImage, root: Path) -> str:

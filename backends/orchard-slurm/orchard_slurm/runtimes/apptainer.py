@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Optional
 
 from orchard.agent.reaper import run_tool
-from orchard.agent.runtimes.api import IsolationRuntime
+from orchard.agent.runtimes.api import DEFAULT_PATH, IsolationRuntime
 from orchard.agent.runtimes.holder import launcher_prefix
 from orchard.agent.sandbox import Placement, SandboxState
 from orchard.errors import ImageRejected, InvalidRequest, RuntimeUnavailable
@@ -35,7 +35,6 @@ from orchard.quantities import optional_bytes, parse_cpu
 from orchard_slurm.runtimes.processes import process_exit, user_ns_below_ours
 
 PULLED = ("docker://", "oras://", "library://", "shub://")
-DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 
 def instance_name(sandbox_id: str) -> str:

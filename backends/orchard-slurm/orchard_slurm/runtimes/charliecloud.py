@@ -17,14 +17,13 @@ import shutil
 from pathlib import Path
 from typing import Optional
 
-from orchard.agent.runtimes.api import IsolationRuntime
-from orchard.agent.runtimes.holder import HOLD_ARGS, launcher_prefix, spawn_holder, stop_held
-from orchard.agent.runtimes.layers import image_workdir, writable_root
+from orchard.agent.runtimes.api import DEFAULT_PATH, IsolationRuntime
+from orchard.agent.runtimes.holder import HOLD_ARGS, launcher_prefix, limit, spawn_holder, stop_held
+from orchard.agent.runtimes.layers import ensure_paths, image_workdir, writable_root
 from orchard.agent.sandbox import Placement, SandboxState
-from orchard.errors import InvalidRequest, QuotaExceeded, RuntimeUnavailable
-from orchard.quantities import optional_bytes, parse_cpu
+from orchard.errors import InvalidRequest, RuntimeUnavailable
+from orchard.quantities import optional_bytes
 
-DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 HOLD_PATH = "/.orchard-hold"  # bind target of the holder binary inside the container
 CH_RUN_DIRS = ("dev", "proc", "sys", "tmp", "etc", "home", "mnt")
 CH_RUN_FILES = ("etc/hosts", "etc/resolv.conf", "etc/passwd", "etc/group")
@@ -41,17 +40,6 @@ def ch_run_args(root: Path, helper: Path) -> list[str]:
     """ch-run on the sandbox's writable root, with a private /tmp and the holder bound in."""
     return ["ch-run", "--write", "--private-tmp", "--bind", f"{helper}:{HOLD_PATH}", str(root), "--", HOLD_PATH,
             *HOLD_ARGS]
-
-
-def ensure_mount_points(root: Path) -> None:
-    """What ch-run binds onto must exist in the image; minimal images lack some (written
-    to the sandbox's own layer, never to the shared image)."""
-    for name in CH_RUN_DIRS:
-        (root / name).mkdir(exist_ok=True)
-    for name in CH_RUN_FILES:
-        if not (root / name).exists() and not (root / name).is_symlink():
-            (root / name).touch()
-    (root / HOLD_PATH.lstrip("/")).touch()
 
 
 def find_holder(pid: int) -> Optional[int]:
@@ -91,17 +79,12 @@ class CharliecloudRuntime(IsolationRuntime):
         sandbox.placement = placement  # attached first, so a failure below still gets cleaned up
         root = writable_root(sandbox, image, optional_bytes(spec.disk or settings.default_disk),
                              owner, placement)
-        ensure_mount_points(root)
+        ensure_paths(root, CH_RUN_DIRS, (*CH_RUN_FILES, HOLD_PATH.lstrip("/")))  # ch-run's bind targets
         if (root / "root").is_dir():
             os.chown(root / "root", *ids)  # HOME, writable by the sandbox user (a copy-up in the overlay)
         placement.env = {"HOME": "/root", "PATH": DEFAULT_PATH, **image.env, **spec.env}
         placement.default_cwd = image_workdir(image, root)
-        if self.context.cgroups.available:
-            sandbox.cgroup = self.context.cgroups.create(
-                sandbox.sandbox_id, optional_bytes(spec.memory or settings.default_memory),
-                spec.pids or settings.default_pids, parse_cpu(spec.cpu) if spec.cpu else None)
-        elif spec.memory or spec.pids or spec.cpu:
-            raise QuotaExceeded("resource limits were asked for, but no cgroup hierarchy is writable here")
+        limit(self.context, sandbox)
         argv = [*launcher_prefix(self.context, sandbox, owner), *unshare_args(spec.block_network),
                 "--", *ch_run_args(root, self.context.helper)]
         env = {"PATH": DEFAULT_PATH, "USER": pwd.getpwuid(ids[0]).pw_name if _known(ids[0]) else "orchard"}

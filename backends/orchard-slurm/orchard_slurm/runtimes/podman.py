@@ -14,6 +14,7 @@ agent's state directory (runc, cgroupfs, file events: see shared/notes on Podman
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import os
 import re
@@ -23,12 +24,11 @@ from pathlib import Path
 from typing import Optional
 
 from orchard.agent.reaper import run_tool
-from orchard.agent.runtimes.api import IsolationRuntime
+from orchard.agent.runtimes.api import DEFAULT_PATH, IsolationRuntime
 from orchard.agent.sandbox import Placement, SandboxState
 from orchard.errors import ImageRejected, InvalidRequest, RuntimeUnavailable
 from orchard_slurm.runtimes.processes import process_exit
 
-DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 HOLD_PATH = "/.orchard-hold"
 CONTAINERS_CONF = """[containers]
 default_ulimits = ["nofile=20000:20000", "nproc=32768:32768"]
@@ -110,20 +110,21 @@ class PodmanRuntime(IsolationRuntime):
     def home(self) -> Path:
         return self.context.settings.state_dir / "podman"
 
-    def _environment(self) -> dict[str, str]:
-        """One configuration and one storage for every podman call (they must agree)."""
+    @functools.cached_property
+    def _env(self) -> dict[str, str]:
+        """One configuration and one storage for every podman call (they must agree),
+        written once per agent."""
         conf, storage = self.home / "containers.conf", self.home / "storage.conf"
-        if not storage.exists():
-            self.home.mkdir(parents=True, exist_ok=True)
-            conf.write_text(CONTAINERS_CONF)
-            storage.write_text(f'[storage]\ndriver = "overlay"\ngraphroot = "{self.home / "graph"}"\n'
-                               f'runroot = "{self.home / "run"}"\n')
+        self.home.mkdir(parents=True, exist_ok=True)
+        conf.write_text(CONTAINERS_CONF)
+        storage.write_text(f'[storage]\ndriver = "overlay"\ngraphroot = "{self.home / "graph"}"\n'
+                           f'runroot = "{self.home / "run"}"\n')
         return {"PATH": os.environ.get("PATH", DEFAULT_PATH), "HOME": os.environ.get("HOME", "/"),
                 "CONTAINERS_CONF": str(conf), "CONTAINERS_STORAGE_CONF": str(storage),
                 **{k: v for k, v in os.environ.items() if k == "XDG_RUNTIME_DIR"}}
 
     async def _podman(self, *args: str) -> str:
-        code, out, err = await run_tool(self.context.reaper, ["podman", *args], self._environment())
+        code, out, err = await run_tool(self.context.reaper, ["podman", *args], self._env)
         if code != 0:
             raise RuntimeUnavailable(f"podman {args[0]} failed: {err.strip()[-1500:] or f'exit {code}'}")
         return out
@@ -143,7 +144,7 @@ class PodmanRuntime(IsolationRuntime):
         if name in self._imported:
             return name
         async with self._imports.setdefault(name, asyncio.Lock()):
-            code, _, _ = await run_tool(self.context.reaper, ["podman", "image", "exists", name], self._environment())
+            code, _, _ = await run_tool(self.context.reaper, ["podman", "image", "exists", name], self._env)
             if code != 0 and name not in self._imported:
                 archive = self.home / f"{digest}.tar"
                 code, _, err = await run_tool(self.context.reaper, ["tar", "-C", str(directory), "-cf", str(archive),
@@ -193,7 +194,7 @@ class PodmanRuntime(IsolationRuntime):
         if sandbox.placement is not None:
             code, _, err = await run_tool(self.context.reaper, ["podman", "rm", "-f", "-t", "0",
                                                                 container_name(sandbox.sandbox_id)],
-                                          self._environment())
+                                          self._env)
             if code != 0 and "no such container" not in err.lower():
                 raise RuntimeUnavailable(f"podman rm failed: {err.strip()[-500:]}")
         shutil.rmtree(sandbox.state_dir, ignore_errors=True)
