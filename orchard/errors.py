@@ -112,6 +112,13 @@ class FileOperationFailed(OrchardError):
     error_type = "rejected"
 
 
+class PayloadTooLarge(OrchardError):
+    """A request body or a file is larger than the configured limit of this route."""
+
+    status_code = 413
+    error_type = "rejected"
+
+
 class WaitTimeout(OrchardError):
     """A server-side wait ended before the sandbox or job was done."""
 
@@ -139,7 +146,7 @@ ERRORS_BY_NAME: dict[str, type[OrchardError]] = {
         OrchardError, InvalidRequest, AuthenticationFailed, SandboxNotFound, JobNotFound,
         SandboxConflict, SandboxLost, SandboxNotReady, ImageRejected, QuotaExceeded,
         RuntimeUnavailable, BackendUnavailable, AgentUnreachable, FileOperationFailed,
-        WaitTimeout, ExecTimeout, InternalError,
+        PayloadTooLarge, WaitTimeout, ExecTimeout, InternalError,
     ]
 }
 
@@ -157,7 +164,7 @@ def error_from_body(status_code: int, body: object) -> OrchardError:
     else:
         message = str(body)
     by_status = {401: AuthenticationFailed, 403: AuthenticationFailed, 404: SandboxNotFound,
-                 408: WaitTimeout, 409: SandboxConflict, 410: SandboxLost, 422: InvalidRequest,
+                 408: WaitTimeout, 409: SandboxConflict, 410: SandboxLost, 413: PayloadTooLarge, 422: InvalidRequest,
                  503: AgentUnreachable}
     return by_status.get(status_code, InternalError)(f"HTTP {status_code}: {message}")
 

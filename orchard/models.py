@@ -201,6 +201,9 @@ class FileEntry(BaseModel):
 class FileList(BaseModel):
     path: str
     files: list[FileEntry]
+    total: Optional[int] = Field(None, description="entries in the directory (pages: offset, limit)")
+    offset: int = 0
+    next_offset: Optional[int] = Field(None, description="offset of the next page; null on the last")
 
 
 class PatchRequest(Request):

@@ -35,7 +35,7 @@ class SandboxOperations(Protocol):
     def apply_patch(self, sandbox_id: str, patch: PatchRequest) -> Any: ...
     def upload(self, sandbox_id: str, upload: FileUpload) -> Any: ...
     def download(self, sandbox_id: str, path: str) -> Any: ...
-    def list_files(self, sandbox_id: str, path: str) -> Any: ...
+    def list_files(self, sandbox_id: str, path: str, offset: int, limit: Optional[int]) -> Any: ...
     def upload_raw(self, sandbox_id: str, path: str, chunks: AsyncIterator[bytes], mode: Optional[int]) -> Any: ...
     def download_raw(self, sandbox_id: str, path: str) -> Any:
         """(size or None, an async iterator of the file's bytes)."""
@@ -117,8 +117,12 @@ def add_sandbox_routes(app: FastAPI, ops: SandboxOperations) -> None:
         return model_response(await _value(ops.download(sandbox_id, path)))
 
     @app.get("/sandboxes/{sandbox_id}/files/list")
-    async def list_files(sandbox_id: str, path: str = Query(".", min_length=1)) -> Response:
-        return model_response(await _value(ops.list_files(sandbox_id, path)))
+    async def list_files(sandbox_id: str, path: str = Query(".", min_length=1, max_length=4096),
+                         offset: int = Query(0, ge=0, le=1 << 40),
+                         limit: Optional[int] = Query(None, ge=1, description="capped by the agent's page size")
+                         ) -> Response:
+        """Entries sorted by name, one page at a time (``next_offset`` until it is null)."""
+        return model_response(await _value(ops.list_files(sandbox_id, path, offset, limit)))
 
     @app.put("/sandboxes/{sandbox_id}/files/raw")
     async def upload_raw(sandbox_id: str, request: Request, path: str = Query(..., min_length=1),

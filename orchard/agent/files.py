@@ -1,214 +1,226 @@
-"""File calls resolved inside a sandbox's own root, never on the host.
+"""File calls (upload, download, list) done from inside the sandbox, never by the agent.
 
-Every path is opened with ``openat2(RESOLVE_IN_ROOT)`` relative to the sandbox's
-root (``/proc/<holder>/root``), so ``..`` and absolute symlinks planted in the
-sandbox stay inside it, while ordinary paths like ``/etc/hosts`` still work.
+Each call runs ``orchard-enter --file`` through the sandbox's runtime, exactly like a
+command: it joins the sandbox's namespaces and cgroup, chroots into its root and drops to
+the sandbox user with no capabilities before it touches a path (see ``enter_files.c``).
+So a symlink planted to ``/proc/sys/...`` reaches only what the sandbox user could reach
+with a shell, special files are refused without blocking, and uploaded bytes are charged
+to the sandbox's memory and disk limits. The agent only moves bytes through pipes, so no
+file work runs on (or can block) its event loop.
 """
 
 from __future__ import annotations
 
-import ctypes
+import asyncio
 import errno
 import os
-import stat
-from contextlib import contextmanager
+import signal
 from pathlib import PurePosixPath
-from typing import Iterator
+from typing import TYPE_CHECKING, AsyncIterator, Optional
 
-from orchard.errors import FileOperationFailed
+from orchard.agent.jobs import settle_holder
+from orchard.errors import FileOperationFailed, PayloadTooLarge, RuntimeUnavailable, SandboxLost
 from orchard.models import FileEntry
 
-_SYS_OPENAT2 = 437
-_RESOLVE_NO_MAGICLINKS = 0x02
-_RESOLVE_IN_ROOT = 0x10
-# openat2 does not imply O_LARGEFILE the way open() does on 64-bit; its kernel value is per arch.
-_O_LARGEFILE = {"x86_64": 0o100000, "aarch64": 0o400000, "ppc64le": 0o200000}.get(os.uname().machine, 0o100000)
-_libc = ctypes.CDLL(None, use_errno=True)
-MAX_FILE_BYTES = 512 << 20
+if TYPE_CHECKING:
+    from orchard.agent.reaper import ChildReaper
+    from orchard.agent.runtimes.api import IsolationRuntime
+    from orchard.agent.sandbox import SandboxState
+
+FILE_ERROR_EXIT = 3  # enter_files.c: the operation failed, the reason is on stderr
+HELPER_FAILED_EXIT = 125
+_KINDS = {"d": "directory", "f": "file", "l": "symlink", "o": "other"}
+_REASONS = {
+    errno.ENOENT: "no such file or directory",
+    errno.ENOTDIR: "a component of the path is not a directory",
+    errno.EISDIR: "is a directory",
+    errno.EACCES: "permission denied",
+    errno.EPERM: "operation not permitted",
+    errno.EROFS: "read-only file system",
+    errno.ENOSPC: "no space left (disk quota of the sandbox)",
+    errno.EDQUOT: "disk quota of the sandbox exceeded",
+    errno.ELOOP: "too many levels of symbolic links",
+    errno.ENXIO: "not a regular file",
+    errno.ENAMETOOLONG: "file name too long",
+}
 
 
-class _OpenHow(ctypes.Structure):
-    _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64), ("resolve", ctypes.c_uint64)]
+class _HelperRun:
+    """One ``orchard-enter --file`` process: its pipes and its exit."""
 
+    def __init__(self, pid: int, exited: "asyncio.Future[int]", stdout: asyncio.StreamReader,
+                 stdin: Optional[asyncio.StreamWriter], stderr_fd: int) -> None:
+        self.pid, self.exited, self.stdout, self.stdin, self.stderr_fd = pid, exited, stdout, stdin, stderr_fd
 
-def openat2(dirfd: int, path: str, flags: int, mode: int = 0) -> int:
-    if not flags & os.O_PATH:
-        flags |= _O_LARGEFILE
-    how = _OpenHow(flags | os.O_CLOEXEC, mode, _RESOLVE_IN_ROOT | _RESOLVE_NO_MAGICLINKS)
-    fd = _libc.syscall(_SYS_OPENAT2, dirfd, os.fsencode(path), ctypes.byref(how), ctypes.sizeof(how))
-    if fd < 0:
-        err = ctypes.get_errno()
-        raise OSError(err, os.strerror(err), path)
-    return fd
+    def stderr(self) -> str:
+        return os.pread(self.stderr_fd, 4096, 0).decode(errors="replace")
 
+    def kill(self) -> None:
+        if not self.exited.done():
+            try:
+                os.kill(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
-def _explain(exc: OSError, path: str) -> FileOperationFailed:
-    reasons = {
-        errno.ENOENT: "no such file or directory",
-        errno.ENOTDIR: "a component of the path is not a directory",
-        errno.EISDIR: "is a directory",
-        errno.EACCES: "permission denied",
-        errno.EROFS: "read-only file system",
-        errno.ENOSPC: "no space left (disk quota of the sandbox)",
-        errno.EXDEV: "path escapes the sandbox",
-        errno.ELOOP: "too many levels of symbolic links",
-    }
-    return FileOperationFailed(f"{path}: {reasons.get(exc.errno, exc.strerror)}")
-
-
-@contextmanager
-def acting_as(owner: tuple[int, int] | None) -> Iterator[None]:
-    """Touch files with the sandbox's host ids (fsuid/fsgid, this thread only).
-
-    A root agent cannot create inodes on a sandbox's own filesystems (its uid is
-    unmapped there), and should not bypass the sandbox's permissions anyway.
-    """
-    if owner is None or os.geteuid() != 0:
-        yield
-        return
-    _libc.setfsgid(owner[1])
-    _libc.setfsuid(owner[0])
-    try:
-        yield
-    finally:
-        _libc.setfsuid(0)
-        _libc.setfsgid(0)
+    def close(self) -> None:
+        if self.stderr_fd >= 0:
+            os.close(self.stderr_fd)
+            self.stderr_fd = -1
 
 
 class SandboxFiles:
-    """Read, write and list files of one sandbox through its root directory."""
+    """File calls of one sandbox, each run inside it by the static helper."""
 
-    def __init__(self, root: str, owner: tuple[int, int] | None, default_dir: str = "/") -> None:
-        self.root = root
-        self.owner = owner  # host uid/gid that file calls act as (the sandbox user's)
-        self.default_dir = default_dir
+    def __init__(self, runtime: "IsolationRuntime", sandbox: "SandboxState", reaper: "ChildReaper") -> None:
+        self.runtime = runtime
+        self.sandbox = sandbox
+        self.reaper = reaper
 
-    def _absolute(self, path: str) -> str:
+    def absolute(self, path: str) -> str:
         if "\0" in path:
             raise FileOperationFailed("path contains a NUL byte")
-        joined = PurePosixPath(self.default_dir) / path
-        return str(joined)
+        assert self.sandbox.placement is not None
+        return str(PurePosixPath(self.sandbox.placement.default_cwd) / path)
 
-    def _open(self, path: str, flags: int, mode: int = 0) -> int:
-        root_fd = os.open(self.root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    # -- the helper process --------------------------------------------------------
+    async def _start(self, op: list[str], with_stdin: bool = False) -> _HelperRun:
+        loop = asyncio.get_running_loop()
+        argv = self.runtime.file_command(self.sandbox, op)
+        out_r, out_w = os.pipe2(os.O_CLOEXEC)
+        in_r, in_w = os.pipe2(os.O_CLOEXEC) if with_stdin else (-1, -1)
+        err_fd = os.memfd_create("file-call-stderr", os.MFD_CLOEXEC)
+        stdin_action = ((os.POSIX_SPAWN_DUP2, in_r, 0) if with_stdin
+                        else (os.POSIX_SPAWN_OPEN, 0, "/dev/null", os.O_RDONLY, 0))
         try:
-            with acting_as(self.owner):
-                return openat2(root_fd, path, flags, mode)
-        finally:
-            os.close(root_fd)
-
-    def open_read(self, path: str) -> tuple[int, int]:
-        """(fd, size) of a regular file, for reading in chunks; the caller closes fd."""
-        full = self._absolute(path)
-        try:
-            fd = self._open(full, os.O_RDONLY | os.O_NOCTTY | os.O_NONBLOCK)
-        except OSError as exc:
-            raise _explain(exc, full) from None
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            os.close(fd)
-            raise FileOperationFailed(f"{full}: not a regular file")
-        return fd, info.st_size
-
-    def read(self, path: str) -> bytes:
-        fd, size = self.open_read(path)
-        try:
-            if size > MAX_FILE_BYTES:
-                raise FileOperationFailed(f"{self._absolute(path)}: larger than {MAX_FILE_BYTES} bytes; "
-                                          "download it with the raw files route")
-            chunks, offset = [], 0
-            while offset <= size:
-                chunk = os.pread(fd, 8 << 20, offset)
-                if not chunk:
-                    break
-                chunks.append(chunk)
-                offset += len(chunk)
-            return b"".join(chunks)
-        finally:
-            os.close(fd)
-
-    def _make_parents(self, full: str) -> None:
-        parent = PurePosixPath(full).parent
-        for depth in range(1, len(parent.parts)):
-            current = PurePosixPath(*parent.parts[: depth + 1])
-            try:
-                os.close(self._open(str(current), os.O_PATH | os.O_DIRECTORY))
-                continue
-            except FileNotFoundError:
-                pass
-            fd = self._open(str(current.parent), os.O_PATH | os.O_DIRECTORY)
-            try:
-                with acting_as(self.owner):
-                    os.mkdir(current.name, 0o755, dir_fd=fd)
-            except FileExistsError:
-                pass
-            finally:
-                os.close(fd)
-
-    def open_write(self, path: str, mode: int | None = None) -> int:
-        """A truncated regular file opened for writing (parents made); the caller closes it."""
-        full = self._absolute(path)
-        try:
-            self._make_parents(full)
-            fd = self._open(full, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOCTTY, 0o644)
-        except OSError as exc:
-            raise _explain(exc, full) from None
-        try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                raise FileOperationFailed(f"{full}: not a regular file")
-            if mode is not None:
-                os.fchmod(fd, mode)
-        except BaseException:
-            os.close(fd)
+            pid = os.posix_spawn(argv[0], argv, {}, file_actions=[
+                stdin_action, (os.POSIX_SPAWN_DUP2, out_w, 1), (os.POSIX_SPAWN_DUP2, err_fd, 2),
+            ], setsid=True, setsigdef=(signal.SIGPIPE, signal.SIGXFSZ))
+        except OSError:
+            for fd in (out_r, in_w, err_fd):
+                if fd >= 0:
+                    os.close(fd)
             raise
-        return fd
-
-    def write_chunk(self, fd: int, data: bytes, path: str) -> None:
-        view = memoryview(data)
-        try:
-            while view:
-                view = view[os.write(fd, view):]
-        except OSError as exc:
-            raise _explain(exc, self._absolute(path)) from None
-
-    def write(self, path: str, data: bytes, mode: int | None = None) -> int:
-        fd = self.open_write(path, mode)
-        try:
-            self.write_chunk(fd, data, path)
         finally:
-            os.close(fd)
-        return len(data)
+            for fd in (out_w, in_r):
+                if fd >= 0:
+                    os.close(fd)
+        exited = self.reaper.wait(pid)
+        reader = asyncio.StreamReader(limit=1 << 20, loop=loop)
+        await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader, loop=loop),
+                                     os.fdopen(out_r, "rb", buffering=0))
+        writer = None
+        if with_stdin:
+            transport, protocol = await loop.connect_write_pipe(asyncio.streams.FlowControlMixin,
+                                                                os.fdopen(in_w, "wb", buffering=0))
+            writer = asyncio.StreamWriter(transport, protocol, None, loop)
+        return _HelperRun(pid, exited, reader, writer, err_fd)
 
-    def list(self, path: str) -> list[FileEntry]:
-        full = self._absolute(path)
+    async def _failure(self, run: _HelperRun, full: str, not_found_kind: str = "not a regular file") -> Exception:
+        """The typed error for a helper run that did not succeed."""
+        code = await run.exited
+        text = run.stderr().strip()
+        if code == FILE_ERROR_EXIT and text.startswith("orchard-file: "):
+            reason = text.split(": ", 1)[1].splitlines()[0]
+            if reason == "notreg":
+                return FileOperationFailed(f"{full}: {not_found_kind}")
+            if reason == "toobig":
+                return PayloadTooLarge(f"{full}: larger than this route allows; use the raw files route")
+            number = int(reason[1:]) if reason[1:].isdigit() else 0
+            return FileOperationFailed(f"{full}: {_REASONS.get(number, os.strerror(number))}")
+        await settle_holder(self.sandbox)
+        if self.sandbox.status == "lost":
+            return SandboxLost(f"sandbox {self.sandbox.sandbox_id!r} was lost: {self.sandbox.status_message}")
+        if code == HELPER_FAILED_EXIT:
+            return RuntimeUnavailable(f"file call could not enter the sandbox: {text[-500:]}")
+        cgroup = self.sandbox.cgroup
+        oom = "; the sandbox hit its memory limit" if code > 128 and cgroup is not None and cgroup.new_oom_kills() else ""
+        return FileOperationFailed(f"{full}: the file call ended with code {code}{oom}")
+
+    @staticmethod
+    def _header(line: bytes) -> Optional[int]:
+        parts = line.rstrip(b"\n\0").split(b" ")
+        if len(parts) == 2 and parts[0] == b"ok" and parts[1].isdigit():
+            return int(parts[1])
+        return None
+
+    # -- operations ----------------------------------------------------------------
+    async def write(self, path: str, chunks: AsyncIterator[bytes], mode: Optional[int] = None) -> tuple[str, int]:
+        """Write a file from a byte stream; returns (absolute path, bytes written)."""
+        full = self.absolute(path)
+        run = await self._start(["write", full, str(-1 if mode is None else mode)], with_stdin=True)
+        assert run.stdin is not None
         try:
-            fd = self._open(full, os.O_RDONLY | os.O_DIRECTORY)
-        except OSError as exc:
-            raise _explain(exc, full) from None
+            try:
+                async for chunk in chunks:
+                    run.stdin.write(chunk)
+                    await run.stdin.drain()
+                run.stdin.close()
+            except (BrokenPipeError, ConnectionResetError):
+                pass  # the helper stopped reading: its exit says why
+            except BaseException:
+                run.kill()  # the caller's stream failed: leave no half-fed helper behind
+                raise
+            written = self._header(await run.stdout.read(64))
+            if await run.exited != 0 or written is None:
+                raise await self._failure(run, full)
+            return full, written
+        finally:
+            run.stdin.close()
+            run.close()
+
+    async def open_read(self, path: str, max_bytes: int = -1) -> tuple[str, int, AsyncIterator[bytes]]:
+        """(absolute path, size on disk, the bytes as they are read) of a regular file."""
+        full = self.absolute(path)
+        run = await self._start(["read", full, str(max_bytes)])
+        size = self._header(await run.stdout.readline())
+        if size is None:
+            run.kill()
+            error = await self._failure(run, full)
+            run.close()
+            raise error
+
+        async def chunks() -> AsyncIterator[bytes]:
+            try:
+                while True:
+                    chunk = await run.stdout.read(1 << 20)
+                    if not chunk:
+                        break
+                    yield chunk
+                if await run.exited != 0:
+                    raise await self._failure(run, full)
+            finally:
+                run.kill()
+                run.close()
+
+        return full, size, chunks()
+
+    async def read(self, path: str, max_bytes: int) -> tuple[str, bytes]:
+        full, _, chunks = await self.open_read(path, max_bytes)
+        return full, b"".join([chunk async for chunk in chunks])
+
+    async def list(self, path: str, offset: int, limit: int) -> tuple[str, int, list[FileEntry]]:
+        """(absolute path, number of entries, the entries [offset, offset + limit) by name)."""
+        full = self.absolute(path)
+        run = await self._start(["list", full, str(offset), str(limit)])
         try:
+            try:
+                total = self._header(await run.stdout.readuntil(b"\0"))
+            except asyncio.IncompleteReadError:
+                total = None
+            if total is None:
+                raise await self._failure(run, full, "not a directory")
             entries = []
-            for name in sorted(os.listdir(fd)):
+            while True:
                 try:
-                    info = os.stat(name, dir_fd=fd, follow_symlinks=False)
-                except FileNotFoundError:
-                    continue
-                kind = ("directory" if stat.S_ISDIR(info.st_mode) else "file" if stat.S_ISREG(info.st_mode)
-                        else "symlink" if stat.S_ISLNK(info.st_mode) else "other")
-                entries.append(FileEntry(name=name, type=kind, size=info.st_size, modified=info.st_mtime))
-            return entries
+                    record = await run.stdout.readuntil(b"\0")
+                except asyncio.IncompleteReadError:
+                    break
+                kind, size, seconds, nanos, name = record[:-1].split(b" ", 4)
+                entries.append(FileEntry(name=name.decode(errors="backslashreplace"), type=_KINDS[kind.decode()], size=int(size),
+                                         modified=int(seconds) + int(nanos) / 1e9))
+            if await run.exited != 0:
+                raise await self._failure(run, full, "not a directory")
+            return full, total, entries
         finally:
-            os.close(fd)
-
-    def is_dir(self, path: str) -> bool:
-        try:
-            os.close(self._open(self._absolute(path), os.O_PATH | os.O_DIRECTORY))
-            return True
-        except OSError:
-            return False
-
-    def exists(self, path: str) -> bool:
-        try:
-            os.close(self._open(self._absolute(path), os.O_PATH))
-            return True
-        except OSError:
-            return False
+            run.kill()
+            run.close()

@@ -19,6 +19,7 @@ from typing import AsyncIterator, Optional
 from orchard.agent.cgroups import CgroupManager, SandboxCgroup
 from orchard.agent.files import SandboxFiles
 from orchard.agent.images import ImageStore
+from orchard.agent.inroot import exists_in_root
 from orchard.agent.jobs import JobRecord, JobRunner
 from orchard.agent.jobtable import JobTable
 from orchard.agent.reaper import ChildReaper
@@ -250,7 +251,7 @@ class AgentService:
         if cwd is None:
             return default
         full = str(PurePosixPath(default) / cwd)
-        if not self._files(sandbox).is_dir(full):
+        if not exists_in_root(sandbox.placement.root, full, directory=True):
             raise InvalidRequest(f"cwd {full!r} does not exist in sandbox {sandbox.sandbox_id!r} (or is not a directory)")
         return full
 
@@ -303,61 +304,46 @@ class AgentService:
 
     # -- files ---------------------------------------------------------------------
     def _files(self, sandbox: SandboxState) -> SandboxFiles:
-        placement = sandbox.placement
-        assert placement is not None
-        return SandboxFiles(placement.root, placement.file_owner, placement.default_cwd)
+        assert self.runtime is not None
+        return SandboxFiles(self.runtime, sandbox, self.reaper)
 
-    def upload(self, sandbox_id: str, upload: FileUpload) -> FileUploaded:
+    async def upload(self, sandbox_id: str, upload: FileUpload) -> FileUploaded:
         sandbox = self._ready(sandbox_id)
         try:
             data = base64.b64decode(upload.content, validate=True)
         except (binascii.Error, ValueError):
             raise InvalidRequest("content is not valid base64") from None
-        files = self._files(sandbox)
-        size = files.write(upload.path, data, upload.mode)
-        return FileUploaded(path=files._absolute(upload.path), size=size)
 
-    def download(self, sandbox_id: str, path: str) -> FileContent:
+        async def chunks() -> AsyncIterator[bytes]:
+            yield data
+
+        path, size = await self._files(sandbox).write(upload.path, chunks(), upload.mode)
+        return FileUploaded(path=path, size=size)
+
+    async def download(self, sandbox_id: str, path: str) -> FileContent:
         files = self._files(self._ready(sandbox_id))
-        data = files.read(path)
-        return FileContent(path=files._absolute(path), content=base64.b64encode(data).decode(), size=len(data))
+        full, data = await files.read(path, self.settings.max_inline_file_bytes)
+        return FileContent(path=full, content=base64.b64encode(data).decode(), size=len(data))
 
     async def upload_raw(self, sandbox_id: str, path: str, chunks: AsyncIterator[bytes],
                          mode: Optional[int] = None) -> FileUploaded:
         """Write a file from a byte stream (no JSON, no base64; the loop stays free)."""
-        files = self._files(self._ready(sandbox_id))
-        fd = files.open_write(path, mode)
-        size = 0
-        try:
-            async for chunk in chunks:
-                files.write_chunk(fd, chunk, path)
-                size += len(chunk)
-        finally:
-            os.close(fd)
-        return FileUploaded(path=files._absolute(path), size=size)
+        full, size = await self._files(self._ready(sandbox_id)).write(path, chunks, mode)
+        return FileUploaded(path=full, size=size)
 
-    def download_raw(self, sandbox_id: str, path: str) -> tuple[int, AsyncIterator[bytes]]:
-        """(size, chunks) of a file, read lazily."""
-        fd, size = self._files(self._ready(sandbox_id)).open_read(path)
+    async def download_raw(self, sandbox_id: str, path: str) -> tuple[Optional[int], AsyncIterator[bytes]]:
+        """(size, chunks) of a file, read as it is sent. Files whose size the kernel does not
+        know (most of /proc reads 0) are sent without a length."""
+        _, size, chunks = await self._files(self._ready(sandbox_id)).open_read(path)
+        return (size or None), chunks
 
-        async def chunks() -> AsyncIterator[bytes]:
-            offset = 0
-            try:
-                while True:
-                    chunk = os.pread(fd, 1 << 20, offset)
-                    if not chunk:
-                        return
-                    offset += len(chunk)
-                    yield chunk
-                    await asyncio.sleep(0)
-            finally:
-                os.close(fd)
-
-        return size, chunks()
-
-    def list_files(self, sandbox_id: str, path: str) -> FileList:
-        files = self._files(self._ready(sandbox_id))
-        return FileList(path=files._absolute(path), files=files.list(path))
+    async def list_files(self, sandbox_id: str, path: str, offset: int = 0, limit: Optional[int] = None) -> FileList:
+        """One page of a directory, entries sorted by name."""
+        limit = min(limit or self.settings.max_list_entries, self.settings.max_list_entries)
+        full, total, entries = await self._files(self._ready(sandbox_id)).list(path, offset, limit)
+        following = offset + limit
+        return FileList(path=full, files=entries, total=total, offset=offset,
+                        next_offset=following if following < total else None)
 
     async def apply_patch(self, sandbox_id: str, patch: PatchRequest) -> PatchResult:
         request = ExecRequest(command="git apply --whitespace=nowarn -", stdin=patch.patch,

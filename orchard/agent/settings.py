@@ -38,6 +38,9 @@ class AgentSettings(BaseModel):
     max_sandboxes: int = Field(5000, gt=0)
     insecure_registries: list[str] = Field(default_factory=lambda: ["localhost", "127.0.0.1"])
     host_paths: list[str] = Field(default_factory=list, description="extra read-only host paths for the host image")
+    max_inline_file_bytes: int = Field(128 << 20, gt=0,
+                                       description="largest file the JSON (base64) file routes move; raw routes have no cap")
+    max_list_entries: int = Field(10000, gt=0, description="most directory entries one files/list page returns")
 
     @property
     def agent_dir(self) -> Path:

@@ -139,8 +139,16 @@ class AsyncSandbox:
                                       raw_response=True, timeout=HTTP_MARGIN * 10)
 
     async def list_files(self, path: str = ".") -> list[FileEntry]:
-        body = await self.api.request("GET", f"/sandboxes/{self.id}/files/list", params={"path": path})
-        return [FileEntry(**entry) for entry in body["files"]]
+        """Every entry of a directory, sorted by name (fetched page by page)."""
+        entries: list[FileEntry] = []
+        offset: Optional[int] = 0
+        while offset is not None:
+            body = await self.api.request("GET", f"/sandboxes/{self.id}/files/list",
+                                          params={"path": path, "offset": offset})
+            entries += [FileEntry(**entry) for entry in body["files"]]
+            following = body.get("next_offset")
+            offset = following if isinstance(following, int) and following > offset else None
+        return entries
 
     async def apply_patch(self, patch: str, timeout: Optional[float] = None) -> PatchResult:
         body = {"patch": patch, "timeout_seconds": timeout}

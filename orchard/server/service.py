@@ -278,8 +278,9 @@ class ServerService:
     async def download(self, sandbox_id: str, path: str) -> dict:
         return await self._files(sandbox_id, "GET", "files", params={"path": path})
 
-    async def list_files(self, sandbox_id: str, path: str) -> dict:
-        return await self._files(sandbox_id, "GET", "files/list", params={"path": path})
+    async def list_files(self, sandbox_id: str, path: str, offset: int = 0, limit: Optional[int] = None) -> dict:
+        params: dict[str, Any] = {"path": path, "offset": offset, **({"limit": limit} if limit else {})}
+        return await self._files(sandbox_id, "GET", "files/list", params=params)
 
     async def upload_raw(self, sandbox_id: str, path: str, chunks: AsyncIterator[bytes], mode: Optional[int]) -> dict:
         data = b"".join([chunk async for chunk in chunks])

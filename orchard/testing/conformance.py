@@ -258,3 +258,8 @@ def test_upload_rejects_bad_base64(sandbox):
         sandbox._portal.call(sandbox._inner.api.request(
             "POST", f"/sandboxes/{sandbox.id}/files", json_body={"path": "x", "content": "%%%not-base64"}))
     assert base64.b64decode(base64.b64encode(b"ok")) == b"ok"
+
+
+# -- hostile input (orchard/testing/hostile.py) ------------------------------------
+
+from orchard.testing.hostile import *  # noqa: E402,F401,F403

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar, Optional
 
+from orchard.errors import RuntimeUnavailable
+
 if TYPE_CHECKING:
     from orchard.agent.cgroups import CgroupManager
     from orchard.agent.images import ImageStore
@@ -35,6 +37,7 @@ class RuntimeContext:
 
 class IsolationRuntime(ABC):
     name: ClassVar[str]
+    runs_in_place: ClassVar[bool] = False  # the agent's own container is the sandbox (``direct``)
 
     def __init__(self, context: RuntimeContext) -> None:
         self.context = context
@@ -56,7 +59,7 @@ class IsolationRuntime(ABC):
         """The argv the agent spawns to run ``argv`` in ``cwd`` inside the sandbox."""
         placement = sandbox.placement
         assert placement is not None
-        full = [str(self.context.helper)]
+        full = [str(self.context.helper), "--seccomp", "--oom-first"]
         if sandbox.cgroup is not None:
             for procs in sandbox.cgroup.job_procs_files(job_cgroup):
                 full += ["--cgroup", procs]
@@ -66,3 +69,15 @@ class IsolationRuntime(ABC):
         if placement.uid is not None:
             full += ["--uid", str(placement.uid), "--gid", str(placement.gid)]
         return full + ["--", *argv]
+
+    def file_command(self, sandbox: "SandboxState", operation: list[str]) -> list[str]:
+        """The argv that does a file operation (``enter_files.c``) from inside the sandbox,
+        where a command would run. Runtimes whose commands do not start with the helper
+        entering the sandbox must override this or refuse."""
+        placement = sandbox.placement
+        assert placement is not None
+        if placement.target_pid is None and not self.runs_in_place:
+            raise RuntimeUnavailable(f"runtime {self.name!r} cannot do file calls inside this sandbox")
+        full = self.command(sandbox, operation, "/")
+        return [full[0], "--file", *full[1:]]
+

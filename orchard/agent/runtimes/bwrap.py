@@ -16,8 +16,8 @@ import shutil
 from pathlib import Path
 from typing import Optional
 
-from orchard.agent.files import SandboxFiles
 from orchard.agent.images import ResolvedImage
+from orchard.agent.inroot import exists_in_root
 from orchard.agent.runtimes.api import DEFAULT_PATH, IsolationRuntime
 from orchard.agent.runtimes.holder import HOLD_ARGS, launcher_prefix, limit, spawn_holder, stop_held
 from orchard.agent.runtimes.layers import image_workdir, writable_root
@@ -137,7 +137,7 @@ class BwrapRuntime(IsolationRuntime):
         sandbox.placement.root = f"/proc/{sandbox.placement.target_pid}/root"
 
     def _has(self, placement: Placement, path: str) -> bool:
-        return SandboxFiles(placement.root, None).exists(path)
+        return exists_in_root(placement.root, path)
 
     # -- stop ----------------------------------------------------------------------
     async def stop(self, sandbox: SandboxState) -> None:

@@ -17,6 +17,7 @@ from orchard.quantities import parse_bytes, parse_cpu
 
 class DirectRuntime(IsolationRuntime):
     name = "direct"
+    runs_in_place = True
 
     async def start(self, sandbox: SandboxState) -> None:
         if sandbox.spec.image not in ("host", "direct"):

@@ -19,6 +19,7 @@ from typing import Optional
 from orchard.errors import RuntimeUnavailable
 
 SOURCE = Path(__file__).with_name("orchard_enter.c")
+INCLUDED = ("enter_files.c", "enter_seccomp.c")  # #included by SOURCE
 BUNDLE_MARKER = "orchard-bundle.json"
 
 
@@ -40,6 +41,14 @@ def compile_static(source: Path, output: Path, *flags: str) -> None:
     os.chmod(output, 0o755)
 
 
+def source_digest() -> str:
+    """Hash of the helper's sources, so any change rebuilds it."""
+    sha = hashlib.sha256(SOURCE.read_bytes())
+    for name in INCLUDED:
+        sha.update(SOURCE.with_name(name).read_bytes())
+    return sha.hexdigest()[:12]
+
+
 def helper_path(cache_dir: Path) -> Path:
     """Path of a usable static ``orchard-enter``, building it into ``cache_dir`` if needed."""
     override = os.environ.get("ORCHARD_ENTER")
@@ -48,7 +57,7 @@ def helper_path(cache_dir: Path) -> Path:
     bundle = bundle_root()
     if bundle is not None:
         return bundle / "bin" / "orchard-enter"
-    digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
+    digest = source_digest()
     target = cache_dir / f"orchard-enter-{digest}"
     if target.exists():
         return target

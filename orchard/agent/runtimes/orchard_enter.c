@@ -14,6 +14,12 @@
  *                  no_new_privs, then fork so the child lands in the PID namespace;
  *                  the parent waits and exits with the child's status;
  *   --uid/--gid    switch to these ids (inside the user namespace with --target).
+ *   --seccomp      install the default seccomp filter (enter_seccomp.c) before the command;
+ *   --oom-first    make this process and all it starts the OOM killer's first choice
+ *                  (oom_score_adj 1000; raising needs no privilege), so a sandbox at its
+ *                  memory limit loses the command or file call that filled it, not its holder;
+ *   --file         ARGV is a file operation (enter_files.c) done in place of a command,
+ *                  from exactly where a command would run;
  *   --hold         instead of a command, be a sandbox's holder: PID 1 of its namespaces,
  *                  reaping orphans until killed; write one line to --ready-fd first.
  *
@@ -38,6 +44,10 @@
 #include <unistd.h>
 
 #define MAX_CGROUPS 8
+
+static void die(const char *what, const char *arg);
+#include "enter_files.c"
+#include "enter_seccomp.c"
 
 static void die(const char *what, const char *arg) {
     fprintf(stderr, "orchard-enter: %s%s%s: %s\n", what, arg ? " " : "", arg ? arg : "",
@@ -114,6 +124,8 @@ static void switch_ids(long uid, long gid) {
 }
 
 static int hold(int ready_fd) {
+    if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) < 0) die("no_new_privs", NULL);
+    apply_seccomp();
     sigset_t chld;
     sigemptyset(&chld);
     sigaddset(&chld, SIGCHLD);
@@ -142,10 +154,13 @@ int main(int argc, char **argv) {
     int n_cgroups = 0;
     const char *target = NULL, *cwd = NULL;
     long uid = -1, gid = -1;
-    int i = 1, holder = 0, ready_fd = -1;
+    int i = 1, holder = 0, ready_fd = -1, file = 0, seccomp = 0, oom_first = 0;
     for (; i < argc; i++) {
         if (!strcmp(argv[i], "--")) { i++; break; }
         if (!strcmp(argv[i], "--hold")) { holder = 1; continue; }
+        if (!strcmp(argv[i], "--file")) { file = 1; continue; }
+        if (!strcmp(argv[i], "--seccomp")) { seccomp = 1; continue; }
+        if (!strcmp(argv[i], "--oom-first")) { oom_first = 1; continue; }
         if (i + 1 >= argc) { fprintf(stderr, "orchard-enter: %s needs a value\n", argv[i]); return 125; }
         if (!strcmp(argv[i], "--cgroup") && n_cgroups < MAX_CGROUPS) cgroups[n_cgroups++] = argv[++i];
         else if (!strcmp(argv[i], "--target")) target = argv[++i];
@@ -160,6 +175,11 @@ int main(int argc, char **argv) {
     char **command = argv + i;
 
     for (int c = 0; c < n_cgroups; c++) join_cgroup(cgroups[c]);
+    if (oom_first) {
+        int fd = open("/proc/self/oom_score_adj", O_WRONLY | O_CLOEXEC);
+        if (fd < 0 || write(fd, "1000", 4) != 4) die("oom_score_adj", NULL);
+        close(fd);
+    }
 
     if (target) {
         /* Container tools nest the holder's user namespace inside others that own its
@@ -220,7 +240,10 @@ int main(int argc, char **argv) {
         prctl(PR_SET_PDEATHSIG, SIGKILL, 0, 0, 0);
     } else {
         switch_ids(uid, gid);
+        if (seccomp && prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) < 0) die("no_new_privs", NULL);
     }
+    if (seccomp) apply_seccomp();
+    if (file) return file_operation(command, argc - i);
     execvp(command[0], command);
     fprintf(stderr, "orchard-enter: cannot run %s: %s\n", command[0], strerror(errno));
     _exit(errno == ENOENT ? 127 : 126);

@@ -1,0 +1,104 @@
+"""Hostile tests of the file API, part of the conformance suite: every backend runs them.
+
+Each one is something a model inside a sandbox tried, or could try, to reach the host or
+stall its neighbours through upload, download, list and apply_patch. They use only the
+SDK and the ``host`` image (which must provide a shell, coreutils and python3).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from orchard.errors import FileOperationFailed, OrchardError
+
+HOST_DOMAINNAME = Path("/proc/sys/kernel/domainname")
+ADD_KEY = {"x86_64": 248, "aarch64": 217}.get(os.uname().machine, 248)
+
+
+def test_upload_through_a_symlink_to_proc_sys_cannot_change_the_host(sandbox):
+    before = HOST_DOMAINNAME.read_text()
+    sandbox.exec("ln -s /proc/sys/kernel/domainname /workspace/notes.txt")
+    try:
+        with pytest.raises(FileOperationFailed):
+            sandbox.upload("notes.txt", "pwned-by-a-sandbox")
+    finally:
+        after = HOST_DOMAINNAME.read_text()
+        if after != before:  # put the host back before failing
+            HOST_DOMAINNAME.write_text(before)
+    assert after == before, "a sandbox changed the host's domainname through the file API"
+
+
+def test_proc_sys_is_read_only_for_commands_too(sandbox):
+    result = sandbox.exec("echo pwned > /proc/sys/kernel/domainname")
+    assert result.exit_code != 0
+    assert HOST_DOMAINNAME.read_text().strip() != "pwned"
+
+
+def test_uploads_are_written_as_the_sandbox_user(sandbox):
+    sandbox.upload("mine.txt", "x")
+    owner, me = sandbox.exec("stat -c %u mine.txt; id -u").stdout.split()
+    assert owner == me
+
+
+def test_special_files_are_refused_without_stalling_other_sandboxes(orchard_client, sandbox):
+    sandbox.exec("mkfifo /workspace/result.txt")
+    with orchard_client.create("host") as neighbour:
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            upload = pool.submit(sandbox.upload, "result.txt", "data")
+            download = pool.submit(sandbox.download, "result.txt")
+            started = time.monotonic()
+            assert neighbour.exec("echo alive").stdout == "alive\n"
+            assert time.monotonic() - started < 10
+            for future in (upload, download):
+                with pytest.raises(FileOperationFailed, match="not a regular file"):
+                    future.result(timeout=30)
+    with pytest.raises(FileOperationFailed, match="not a regular file"):
+        sandbox.download("/dev/zero")
+    with pytest.raises(FileOperationFailed):
+        sandbox.upload("/dev/null", "x")
+
+
+def test_proc_files_download_with_their_content(sandbox):
+    status = sandbox.download("/proc/self/status").decode()
+    assert "Name:" in status and "Uid:" in status
+
+
+def test_symlinks_to_host_secrets_resolve_inside_the_sandbox(sandbox):
+    sandbox.exec("ln -s /etc/shadow /workspace/s; ln -s ../../../../root /workspace/r")
+    with pytest.raises(FileOperationFailed):
+        sandbox.download("s")
+    with pytest.raises(FileOperationFailed):
+        sandbox.upload("r/.ssh/authorized_keys", "ssh-ed25519 AAAA attacker")
+    with pytest.raises(OrchardError):
+        sandbox.list_files("r")
+
+
+def test_listing_a_huge_directory_comes_in_pages(sandbox):
+    count = 12_345
+    sandbox.exec(f"mkdir many && cd many && seq -f 'f%05g' 1 {count} | xargs touch", timeout=120)
+    entries = sandbox.list_files("many")
+    assert len(entries) == count
+    names = [entry.name for entry in entries]
+    assert names == sorted(names) and names[0] == "f00001" and names[-1] == f"f{count:05d}"
+
+
+def test_uploads_are_charged_to_the_sandbox_memory_limit(orchard_client):
+    """A sandbox limited to 64 MiB cannot hold 192 MiB on its in-memory disk, however it
+    arrives: by a command or by the file API."""
+    with orchard_client.create("host", memory="64Mi") as small:
+        with pytest.raises(OrchardError):
+            small.upload("/tmp/big.bin", b"\0" * (192 << 20))
+        job = small.exec("echo still-here; ls -a /tmp")
+        assert job.stdout == "still-here\n.\n..\n", job  # and no half-written file left
+
+
+def test_default_seccomp_filter_denies_kernel_keyrings(sandbox):
+    script = ("import ctypes; libc = ctypes.CDLL(None, use_errno=True); "
+              f"r = libc.syscall({ADD_KEY}, b'user', b'orchard', b'x', 1, -2); print(r, ctypes.get_errno())")
+    result = sandbox.exec(["python3", "-c", script])
+    assert result.stdout.split() == ["-1", "1"], result.stdout + result.stderr  # EPERM from the filter
