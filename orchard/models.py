@@ -6,20 +6,62 @@ the original keep working; invalid values of known fields are rejected with 422.
 
 from __future__ import annotations
 
+import re
 import shlex
 import time
-from typing import Literal, Optional, Union
+from typing import Any, Callable, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from orchard.quantities import parse_bytes, parse_cpu
+from orchard.quantities import (
+    CPU_PATTERN, PIDS_MAX, PIDS_MIN, PIDS_RULE, QUANTITY_PATTERN, check_pids, parse_cpu, parse_disk, parse_memory,
+)
 
 SandboxStatus = Literal["pending", "ready", "failed", "lost", "deleted"]
 JobStatus = Literal["queued", "running", "succeeded", "failed"]
 ErrorType = Literal["timeout", "sandbox_lost", "agent_unreachable", "rejected", "internal"]
 SANDBOX_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$"
+# Job ids (body ``job_id`` or the ``Idempotency-Key`` header) end up in /jobs/{job_id} URLs:
+# a letter or digit first, so "." and ".." (which clients normalize away) are never ids.
+JOB_ID_PATTERN = SANDBOX_ID_PATTERN
+JOB_ID_RULE = "must be 1-63 characters of A-Z, a-z, 0-9, '_', '.', '-', starting with a letter or digit"
+_JOB_ID = re.compile(JOB_ID_PATTERN)
 DEFAULT_EXEC_TIMEOUT = 300.0
-MAX_COMMAND_BYTES = 1 << 20
+MAX_COMMAND_CHARS = 1 << 20
+
+
+def valid_job_id(value: object) -> bool:
+    return isinstance(value, str) and _JOB_ID.fullmatch(value) is not None
+
+
+def _show(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def check_env(env: dict[str, str]) -> dict[str, str]:
+    """Names that execve can pass on (no '=', no NUL, not empty), values without NUL: a bad
+    one taken at create would break every later command of the sandbox."""
+    for name, value in env.items():
+        if not name or "=" in name or "\0" in name:
+            raise ValueError(f"env names must be non-empty, without '=' or NUL; got {_show(name)}")
+        if "\0" in value:
+            raise ValueError(f"env value of {_show(name)} contains a NUL byte")
+    return env
+
+
+# What the env validators enforce, said in the schema too: names execve can pass on, values
+# without NUL.
+ENV_SCHEMA = {"propertyNames": {"pattern": "^[^=\u0000]+$"}, "additionalProperties": {"type": "string",
+                                                                                    "pattern": "^[^\u0000]*$"}}
+
+
+COMMAND_SCHEMA = {"anyOf": [
+    {"type": "string", "maxLength": MAX_COMMAND_CHARS, "pattern": "^[^\u0000]*\\S[^\u0000]*$",
+     "description": "run by bash -c (sh -c without bash)"},
+    {"type": "array", "minItems": 1, "items": {"type": "string", "pattern": "^[^\u0000]*$"},
+     "description": f"argv, joined with shlex.join (at most {MAX_COMMAND_CHARS} characters then)"},
+]}
 
 
 class Request(BaseModel):
@@ -33,12 +75,15 @@ class SandboxSpec(Request):
                        description="'host', a root filesystem directory, or docker://REF")
     block_network: bool = True
     sandbox_id: Optional[str] = Field(None, pattern=SANDBOX_ID_PATTERN)
-    cpu: Optional[str] = Field(None, description="CPUs, '4' or '2000m'")
-    memory: Optional[str] = Field(None, description="memory limit, e.g. '16Gi'")
-    disk: Optional[str] = Field(None, description="writable-layer quota, e.g. '10Gi'")
-    pids: Optional[int] = Field(None, gt=0, le=1 << 22, description="max processes")
+    cpu: Optional[str] = Field(None, description="CPUs, '4' or '2000m': 0.01 to 1024",
+                               json_schema_extra={"pattern": CPU_PATTERN})
+    memory: Optional[str] = Field(None, description="memory limit, e.g. '16Gi': a whole number of bytes from 16Mi "
+                                                    "to 64Ti", json_schema_extra={"pattern": QUANTITY_PATTERN})
+    disk: Optional[str] = Field(None, description="writable-layer quota, e.g. '10Gi': a whole number of bytes from "
+                                                  "1Mi to 64Ti", json_schema_extra={"pattern": QUANTITY_PATTERN})
+    pids: Optional[int] = Field(None, ge=PIDS_MIN, le=PIDS_MAX, description="max processes")
     timeout: Optional[float] = Field(None, gt=0, le=3600, description="seconds to wait for readiness")
-    env: dict[str, str] = Field(default_factory=dict)
+    env: dict[str, str] = Field(default_factory=dict, json_schema_extra=ENV_SCHEMA)
     labels: dict[str, str] = Field(default_factory=dict)
 
     @field_validator("env", "labels", mode="before")
@@ -60,17 +105,33 @@ class SandboxSpec(Request):
     @classmethod
     def _check_cpu(cls, value: object) -> object:
         if value is not None:
-            parse_cpu(value)  # raises ValueError -> 422 with the field path
+            parse_cpu(value)  # type: ignore[arg-type]  # raises ValueError -> 422 with the field path
             return str(value)
         return value
 
     @field_validator("memory", "disk", mode="before")
     @classmethod
-    def _check_size(cls, value: object) -> object:
+    def _check_size(cls, value: object, info: Any) -> object:
         if value is not None:
-            parse_bytes(value)
+            (parse_memory if info.field_name == "memory" else parse_disk)(value)  # type: ignore[arg-type]
             return str(value)
         return value
+
+    @field_validator("pids", mode="wrap")
+    @classmethod
+    def _check_pids(cls, value: object, handler: Callable[[object], Optional[int]]) -> Optional[int]:
+        try:
+            pids = handler(value)
+        except ValidationError as exc:  # out of the schema's bounds: say the real range
+            if not any(e["type"] in ("greater_than_equal", "less_than_equal") for e in exc.errors()):
+                raise
+            raise ValueError(f"{PIDS_RULE}, got {_show(value)}") from None
+        return None if pids is None else check_pids(pids)
+
+    @field_validator("env")
+    @classmethod
+    def _check_env(cls, value: dict[str, str]) -> dict[str, str]:
+        return check_env(value)
 
     def identity(self) -> dict:
         """What must match for a repeated create with the same id to be idempotent."""
@@ -96,25 +157,31 @@ class Sandbox(BaseModel):
     created_at: float = Field(default_factory=time.time)
     agent_url: Optional[str] = Field(None, description="create response only: the agent, for the direct hot path")
     agent_token: Optional[str] = Field(None, description="create response only: a token for this sandbox alone")
+    incarnation: Optional[str] = Field(None, description="which life of this sandbox id (tokens are bound to it)")
 
 
 class ExecRequest(Request):
     """Body of ``POST /sandboxes/{id}/exec``."""
 
-    command: Union[str, list[str]]
+    command: Union[str, list[str]] = Field(json_schema_extra=COMMAND_SCHEMA)
     timeout_seconds: Optional[float] = Field(None, gt=0, le=7 * 24 * 3600)
     idle_timeout_seconds: Optional[float] = Field(None, gt=0, le=7 * 24 * 3600)
     cwd: Optional[str] = Field(None, min_length=1, max_length=4096)
-    env: dict[str, str] = Field(default_factory=dict)
+    env: dict[str, str] = Field(default_factory=dict, json_schema_extra=ENV_SCHEMA)
     login_shell: bool = False
     wait: bool = False
     stdin: Optional[str] = Field(None, max_length=64 << 20)
-    job_id: Optional[str] = Field(None, pattern=SANDBOX_ID_PATTERN, description="idempotency key")
+    job_id: Optional[str] = Field(None, pattern=JOB_ID_PATTERN, description="idempotency key")
 
     @field_validator("env", mode="before")
     @classmethod
     def _null_env(cls, value: object) -> object:
         return {} if value is None else value
+
+    @field_validator("env")
+    @classmethod
+    def _check_env(cls, value: dict[str, str]) -> dict[str, str]:
+        return check_env(value)
 
     @field_validator("login_shell", "wait", mode="before")
     @classmethod
@@ -127,8 +194,8 @@ class ExecRequest(Request):
         text = value if isinstance(value, str) else shlex.join(value)
         if not text.strip():
             raise ValueError("command is empty")
-        if len(text.encode()) > MAX_COMMAND_BYTES:
-            raise ValueError(f"command is longer than {MAX_COMMAND_BYTES} bytes; upload a script instead")
+        if len(text) > MAX_COMMAND_CHARS:
+            raise ValueError(f"command is longer than {MAX_COMMAND_CHARS} characters; upload a script instead")
         if "\0" in text:
             raise ValueError("command contains a NUL byte")
         return value

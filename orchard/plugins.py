@@ -20,7 +20,7 @@ from orchard import hookspecs
 log = logging.getLogger(__name__)
 
 ENTRY_POINT_GROUP = "orchard"
-BUILTIN_PLUGINS = ("orchard.backends.local.plugin", "orchard.agent.runtimes.plugin")
+BUILTIN_PLUGINS = ("orchard.backends.local.plugin", "orchard.agent.runtimes.plugin", "orchard.agent.image_policy")
 
 
 def _allowed_entry_points() -> Optional[set[str]]:

@@ -47,6 +47,11 @@ def _json_body(model: type[BaseModel]) -> dict:
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
 
 
+_BINARY = {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}
+_BINARY_BODY = {"requestBody": {"required": True, "content": _BINARY}}  # read as a stream, not parsed
+_BINARY_RESPONSE: dict = {200: {"description": "the file's bytes", "content": _BINARY}}
+
+
 async def _value(result: Any) -> Any:
     return await result if inspect.isawaitable(result) else result
 
@@ -96,7 +101,9 @@ def add_sandbox_routes(app: FastAPI, ops: SandboxOperations) -> None:
     async def exec_stream(sandbox_id: str, body: ExecRequest,
                           idempotency_key: Optional[str] = Header(None)) -> StreamingResponse:
         """Our addition: NDJSON events, ``{"type": "stdout"|"stderr", "data"}`` then ``{"type": "exit", "job"}``."""
-        events = ops.stream(sandbox_id, body, idempotency_key)
+        # Awaited before the response starts: a refused command is an error status, not a 200
+        # whose body is then cut (the server hands the command to the agent here).
+        events = await _value(ops.stream(sandbox_id, body, idempotency_key))
 
         async def ndjson() -> AsyncIterator[bytes]:
             async for event in events:
@@ -124,13 +131,13 @@ def add_sandbox_routes(app: FastAPI, ops: SandboxOperations) -> None:
         """Entries sorted by name, one page at a time (``next_offset`` until it is null)."""
         return model_response(await _value(ops.list_files(sandbox_id, path, offset, limit)))
 
-    @app.put("/sandboxes/{sandbox_id}/files/raw")
+    @app.put("/sandboxes/{sandbox_id}/files/raw", openapi_extra=_BINARY_BODY)
     async def upload_raw(sandbox_id: str, request: Request, path: str = Query(..., min_length=1),
                          mode: Optional[int] = Query(None, ge=0, le=0o7777)) -> Response:
         """Our addition: upload the request body as is (large files, no base64)."""
         return model_response(await _value(ops.upload_raw(sandbox_id, path, request.stream(), mode)))
 
-    @app.get("/sandboxes/{sandbox_id}/files/raw")
+    @app.get("/sandboxes/{sandbox_id}/files/raw", response_class=Response, responses=_BINARY_RESPONSE)
     async def download_raw(sandbox_id: str, path: str = Query(..., min_length=1)) -> StreamingResponse:
         """Our addition: a file's bytes (large files, no base64)."""
         size, chunks = await _value(ops.download_raw(sandbox_id, path))

@@ -10,7 +10,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 
-from orchard.errors import AuthenticationFailed
+from orchard.errors import AuthenticationFailed, PayloadTooLarge
 
 OPEN_PATHS = {"/", "/health"}
 MAX_WAIT_SECONDS = 3600.0
@@ -45,6 +45,62 @@ def validation_body(exc: RequestValidationError) -> dict[str, Any]:
     errors = [{"loc": list(e.get("loc", ())), "msg": e.get("msg", ""), "type": e.get("type", "")} for e in exc.errors()]
     summary = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in errors)
     return {"detail": errors, "error": {"type": "InvalidRequest", "message": summary or "invalid request"}}
+
+
+class _TooLarge(Exception):
+    pass
+
+
+class BodyLimitMiddleware:
+    """Refuses request bodies over a limit with 413 before they are held in memory:
+    ``limit`` for JSON routes, ``raw_limit`` (None: none) for the raw file upload, whose
+    body is streamed into the sandbox (where its disk quota applies). A declared length is
+    checked at once; a chunked body is counted as it is read."""
+
+    def __init__(self, app: Callable, limit: int, raw_limit: Optional[int] = None) -> None:
+        self.app = app
+        self.limit = limit
+        self.raw_limit = raw_limit
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        limit = self.raw_limit if scope["path"].endswith("/files/raw") else self.limit
+        if limit is None:
+            await self.app(scope, receive, send)
+            return
+        declared = next((value for key, value in scope["headers"] if key == b"content-length"), None)
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            await self._refuse(scope, receive, send, limit)
+            return
+        seen, started = 0, False
+
+        async def counting_receive() -> dict:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > limit:
+                    raise _TooLarge()
+            return message
+
+        async def watching_send(message: dict) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, counting_receive, watching_send)
+        except _TooLarge:
+            if not started:
+                await self._refuse(scope, receive, send, limit)
+
+    @staticmethod
+    async def _refuse(scope: dict, receive: Callable, send: Callable, limit: int) -> None:
+        error = PayloadTooLarge(f"request body larger than this route's limit of {limit} bytes"
+                                + ("" if scope["path"].endswith("/files/raw") else "; send files with PUT .../files/raw"))
+        await JSONResponse(error.to_body(), status_code=error.status_code)(scope, receive, send)
 
 
 class ApiKeyMiddleware:

@@ -20,7 +20,8 @@ def pytest_configure(config: pytest.Config) -> None:
 def agent_settings():
     from orchard.agent.settings import AgentSettings
 
-    return AgentSettings(state_dir=TEST_STATE_DIR)
+    # Directory images come from pytest's temporary directories; the registry is a real one on loopback.
+    return AgentSettings(state_dir=TEST_STATE_DIR, image_dirs=["/tmp"], registries=["127.0.0.1", "localhost"])
 
 
 @pytest.fixture(scope="session")

@@ -4,6 +4,7 @@ a real registry (Debian's docker-registry) listening on loopback."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -31,6 +32,13 @@ def busybox_rootfs(target: Path) -> Path:
     (target / "etc/os-release").write_text('NAME="orchard-busybox"\nID=busybox\n')
     (target / "etc/passwd").write_text("root:x:0:0:root:/root:/bin/sh\n")
     return target
+
+
+def repository_name(text: str) -> str:
+    """A valid OCI repository component from any text: lower-case alphanumerics joined by
+    single dashes ("perjob-test-_sxn168a" would be refused by the registry)."""
+    name = re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
+    return name or "image"
 
 
 def free_port() -> int:
@@ -64,7 +72,9 @@ class Registry:
         raise RuntimeError(f"registry did not start: {(workdir / 'registry.log').read_text()}")
 
     def push_rootfs(self, rootfs: Path, name: str, env: dict[str, str], workdir: str) -> str:
-        """Build an OCI image from ``rootfs`` with umoci and push it; returns docker://REF."""
+        """Build an OCI image from ``rootfs`` with umoci and push it; returns docker://REF.
+        ``name`` may be anything (a temporary directory's name): it is made a valid repository."""
+        name = repository_name(name)
         layout = self.workdir / f"layout-{name}"
         bundle = self.workdir / f"bundle-{name}"
         shutil.rmtree(layout, ignore_errors=True)

@@ -45,8 +45,9 @@ def test_errors_are_one_clear_line_and_nonzero(state):
 
 def test_agent_status(state):
     orchard("sandbox", "ls", env_state=state)
-    info = json.loads(orchard("agent", "status", "--json", env_state=state).stdout)
-    assert info["address"].startswith("unix://")
+    agents = json.loads(orchard("agent", "status", "--json", env_state=state).stdout)
+    mine = [info for info in agents if info["state_dir"] == str(state)]
+    assert len(mine) == 1 and mine[0]["address"].startswith("unix://")
 
 
 def test_bench_sandboxes_smoke(state, tmp_path):

@@ -6,7 +6,7 @@ become the one error body shape; the SDK turns them back into the same exception
 from __future__ import annotations
 
 from contextlib import asynccontextmanager
-from typing import AsyncIterator, Optional
+from typing import AsyncIterator, Callable, Optional
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -17,7 +17,20 @@ from orchard.agent.service import AgentService
 from orchard.agent.tokens import token_matches
 from orchard.errors import OrchardError
 from orchard.routes import add_sandbox_routes
-from orchard.webapi import ApiKeyMiddleware, validation_body
+from orchard.webapi import ApiKeyMiddleware, BodyLimitMiddleware, validation_body
+
+class CallTracker:
+    """Notes every request, so an agent nobody calls can tell it is idle."""
+
+    def __init__(self, app: Callable, service: AgentService) -> None:
+        self.app = app
+        self.service = service
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] == "http" and scope["path"] != "/health":
+            self.service.touch()
+        await self.app(scope, receive, send)
+
 
 def create_app(service: AgentService, token: Optional[str]) -> FastAPI:
     @asynccontextmanager
@@ -33,14 +46,22 @@ def create_app(service: AgentService, token: Optional[str]) -> FastAPI:
         assert token is not None
         parts = path.split("/")
         if len(parts) >= 3 and parts[1] == "sandboxes" and parts[2]:
-            return token_matches(given, token, parts[2])
-        if len(parts) >= 3 and parts[1] == "jobs":
+            sandbox_id = parts[2]
+        elif len(parts) >= 3 and parts[1] == "jobs":
             record = service.jobs.get(parts[2])
-            return record is not None and token_matches(given, token, record.job.sandbox_id)
-        return False
+            if record is None:
+                return False
+            sandbox_id = record.job.sandbox_id
+        else:
+            return False
+        sandbox = service.sandboxes.get(sandbox_id)
+        return sandbox is not None and token_matches(given, token, sandbox_id, sandbox.incarnation)
 
     if token is not None:
         app.add_middleware(ApiKeyMiddleware, token=token, scoped=sandbox_scoped)
+    app.add_middleware(CallTracker, service=service)
+    app.add_middleware(BodyLimitMiddleware, limit=service.settings.max_body_bytes,
+                       raw_limit=service.settings.max_upload_bytes)
 
     @app.exception_handler(OrchardError)
     async def orchard_error(request: Request, exc: OrchardError) -> JSONResponse:

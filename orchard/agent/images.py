@@ -16,7 +16,7 @@ import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, Optional
+from typing import Any, Literal, Optional
 
 from orchard.agent.reaper import ChildReaper, run_tool
 from orchard.errors import ImageRejected, RuntimeUnavailable
@@ -44,12 +44,13 @@ def _last_line(text: str) -> str:
 
 
 class ImageStore:
-    def __init__(self, cache_dir: Path, owner: Optional[tuple[int, int]], insecure_registries: list[str],
+    def __init__(self, cache_dir: Path, owner: Optional[tuple[int, int]], policy: dict[str, Any],
                  reaper: ChildReaper) -> None:
         self.cache_dir = cache_dir
         self.reaper = reaper
         self.owner = owner
-        self.insecure_registries = insecure_registries
+        self.policy = policy  # for the orchard_verify_image hooks (AgentSettings.image_policy)
+        self.insecure_registries = list(policy.get("insecure_registries", []))
         self._digests: dict[str, tuple[str, float]] = {}
         self._locks: dict[str, asyncio.Lock] = {}
 
@@ -63,7 +64,7 @@ class ImageStore:
         return await run_tool(self.reaper, list(argv), env)
 
     async def resolve(self, image: str) -> ResolvedImage:
-        reason = verify_image(image, {"insecure_registries": self.insecure_registries})
+        reason = verify_image(image, self.policy)
         if reason:
             raise ImageRejected(f"image {image!r} refused by policy: {reason}")
         if image == HOST_IMAGE:

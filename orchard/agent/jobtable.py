@@ -7,6 +7,8 @@ from collections import OrderedDict
 from typing import Optional
 
 from orchard.agent.jobs import JobRecord
+from orchard.errors import InvalidRequest
+from orchard.models import JOB_ID_RULE, valid_job_id
 
 
 class JobTable:
@@ -28,7 +30,12 @@ class JobTable:
         return self._records.get(job_id)
 
     def add(self, record: JobRecord) -> None:
+        """Keep a new job; its id must be one a later ``GET /jobs/{id}`` can name (an
+        ``Idempotency-Key`` header reaches here unchecked)."""
         job = record.job
+        if not valid_job_id(job.job_id):
+            raise InvalidRequest(f"job id (body job_id or Idempotency-Key header) {JOB_ID_RULE}; "
+                                 f"got {job.job_id[:80]!r}")
         self._records[job.job_id] = record
         self._by_sandbox.setdefault(job.sandbox_id, set()).add(job.job_id)
 

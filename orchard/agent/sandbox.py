@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import secrets
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,7 +22,6 @@ class Placement:
     holder_pid: Optional[int] = None  # whose exit means the sandbox is lost
     uid: Optional[int] = None  # ids inside the sandbox
     gid: Optional[int] = None
-    file_owner: Optional[tuple[int, int]] = None  # host ids that new files get
     shell: str = "bash"
     env: dict[str, str] = field(default_factory=dict)
     default_cwd: str = "/"
@@ -43,6 +43,8 @@ class SandboxState:
     ready_event: asyncio.Event = field(default_factory=asyncio.Event)
     deleting: bool = False
     holder_exit: Optional["asyncio.Future[int]"] = None
+    host_ids: Optional[tuple[int, int]] = None  # its own host uid/gid (root agents), from HostIdPool
+    incarnation: str = field(default_factory=lambda: secrets.token_hex(8))  # per-sandbox tokens are bound to it
 
     def to_model(self) -> Sandbox:
         spec = self.spec
@@ -51,4 +53,5 @@ class SandboxState:
             ready=self.status == "ready", status_message=self.status_message,
             block_network=spec.block_network, cpu=spec.cpu, memory=spec.memory, disk=spec.disk,
             pids=spec.pids, labels=spec.labels, runtime=self.runtime, created_at=self.created_at,
+            incarnation=self.incarnation,
         )

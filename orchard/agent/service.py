@@ -12,16 +12,19 @@ import os
 import resource
 import secrets
 import shutil
+import signal
 import time
 from pathlib import PurePosixPath
 from typing import AsyncIterator, Optional
 
 from orchard.agent.cgroups import CgroupManager, SandboxCgroup
 from orchard.agent.files import SandboxFiles
+from orchard.agent.host_ids import HostIdPool, clashing_accounts
 from orchard.agent.images import ImageStore
 from orchard.agent.inroot import exists_in_root
 from orchard.agent.jobs import JobRecord, JobRunner
 from orchard.agent.jobtable import JobTable
+from orchard.agent.reachable import unreachable_reason
 from orchard.agent.reaper import ChildReaper
 from orchard.agent.runtimes.api import IsolationRuntime, RuntimeContext
 from orchard.agent.runtimes.bwrap import build_host_etc
@@ -34,8 +37,8 @@ from orchard.errors import (
     SandboxNotFound, SandboxNotReady,
 )
 from orchard.models import (
-    ExecRequest, FileContent, FileList, FileUpload, FileUploaded, Job, PatchRequest, PatchResult, QueuedJob,
-    Sandbox, SandboxSpec,
+    JOB_ID_RULE, ExecRequest, FileContent, FileList, FileUpload, FileUploaded, Job, PatchRequest, PatchResult, QueuedJob,
+    Sandbox, SandboxSpec, valid_job_id,
 )
 from orchard.plugins import collect, emit_event
 
@@ -56,6 +59,9 @@ def _write_share_files(settings: AgentSettings) -> None:
         path.write_text(text)
         os.chmod(path, 0o644)
     build_host_etc(settings.share_dir / "etc", files)
+    empty = settings.share_dir / "empty"  # masks host-global /proc entries inside sandboxes
+    empty.write_bytes(b"")
+    os.chmod(empty, 0o444)
 
 
 class AgentService:
@@ -65,6 +71,7 @@ class AgentService:
         self.jobs = JobTable(settings.job_retention_seconds, settings.job_retention_bytes)
         self.reaper = ChildReaper()
         self.started_at = time.time()
+        self.last_call = time.monotonic()
         self._tasks: set[asyncio.Task] = set()
         self.runtime: Optional[IsolationRuntime] = None
 
@@ -86,21 +93,35 @@ class AgentService:
         helper = helper_path(settings.share_dir)
         privileged = os.geteuid() == 0
         owner = (settings.host_uid, settings.host_gid) if privileged else None
+        self.host_ids = HostIdPool(settings.host_uid, settings.host_gid, settings.host_id_count)
+        if owner:
+            clashes = clashing_accounts(settings.host_uid, settings.host_gid, settings.host_id_count)
+            if clashes:
+                raise RuntimeUnavailable(
+                    f"sandbox host ids {settings.host_uid}..{settings.host_uid + settings.host_id_count - 1} include "
+                    f"{', '.join(clashes[:5])}: choose host_uid/host_gid/host_id_count outside every account's ids")
+        if owner and settings.runtime != "direct":
+            for directory in (settings.sandboxes_dir, settings.share_dir, settings.images_dir):
+                reason = unreachable_reason(directory, *owner, setting="state_dir")
+                if reason:
+                    raise RuntimeUnavailable(reason)
         digest = hashlib.sha256(str(settings.state_dir.resolve()).encode()).hexdigest()[:10]
         self.cgroups = CgroupManager(agent_name=f"{settings.state_dir.name}-{digest}")  # stable across restarts
         self._clean_leftovers()
-        images = ImageStore(settings.images_dir, owner, settings.insecure_registries, self.reaper)
+        images = ImageStore(settings.images_dir, owner, settings.image_policy(), self.reaper)
         context = RuntimeContext(settings=settings, helper=helper, cgroups=self.cgroups, images=images,
                                  reaper=self.reaper)
         self.runtime = runtime_cls(context)
         self.jobs_runner = JobRunner(self.reaper, helper, settings.max_output_bytes)
         self._spawn(self._purge_loop())
+        if settings.idle_exit_seconds is not None:
+            self._spawn(self._idle_exit_loop(settings.idle_exit_seconds))
 
     def _clean_leftovers(self) -> None:
         """A previous agent on this state dir died: its sandboxes died with it (their
         holders run with --die-with-parent); remove what they left on the host."""
         for entry in self.settings.sandboxes_dir.iterdir():
-            for mount_point in (entry / "root", entry / "layer"):
+            for mount_point in (entry / "root", entry / "image", entry / "layer"):
                 try:
                     unmount(mount_point)
                 except OSError:
@@ -133,6 +154,26 @@ class AgentService:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return task
+
+    def touch(self) -> None:
+        """A caller was here (the app calls this on every request)."""
+        self.last_call = time.monotonic()
+
+    def idle_for(self) -> float:
+        """Seconds with no sandbox, no running command and no call (0 while busy)."""
+        if self.sandboxes or self.jobs.running():
+            return 0.0
+        return time.monotonic() - self.last_call
+
+    async def _idle_exit_loop(self, limit: float) -> None:
+        """An agent nobody uses exits (as on SIGTERM), so repeated runs do not pile up
+        idle agents; the local backend starts a new one on the next call."""
+        while True:
+            await asyncio.sleep(min(limit / 4, 10.0))
+            if self.idle_for() >= limit:
+                log.warning("no sandbox and no call for %.0f s: exiting", limit)
+                os.kill(os.getpid(), signal.SIGTERM)
+                return
 
     async def _purge_loop(self) -> None:
         while True:
@@ -171,6 +212,11 @@ class AgentService:
                                runtime=self.runtime.name, state_dir=self.settings.sandboxes_dir / sandbox_id)
         self.sandboxes[sandbox_id] = sandbox
         try:
+            if os.geteuid() == 0:
+                sandbox.host_ids = self.host_ids.take()
+                if sandbox.host_ids is None:
+                    raise QuotaExceeded(f"every one of the {self.settings.host_id_count} sandbox host ids is in use "
+                                        "(host_id_count)")
             await self.runtime.start(sandbox)
         except Exception as exc:
             sandbox.status = "failed"
@@ -208,6 +254,9 @@ class AgentService:
             await self.runtime.stop(sandbox)
         except Exception:
             log.exception("cleaning up sandbox %s failed", sandbox.sandbox_id)
+        if sandbox.host_ids is not None:  # free for another sandbox only once nothing of this one runs
+            self.host_ids.release(sandbox.host_ids)
+            sandbox.host_ids = None
 
     async def _wait_ready(self, sandbox: SandboxState, timeout: float) -> None:
         try:
@@ -257,11 +306,13 @@ class AgentService:
 
     def submit(self, sandbox_id: str, request: ExecRequest, idempotency_key: Optional[str] = None) -> JobRecord:
         """Queue a command; the same idempotency key returns the same job, never a second run."""
-        key = request.job_id or idempotency_key
+        if idempotency_key and not valid_job_id(idempotency_key):
+            raise InvalidRequest(f"Idempotency-Key header {JOB_ID_RULE}")
+        key = request.job_id or idempotency_key or None
         record = self.jobs.get(key) if key is not None else None
         if record is not None:
             if record.job.sandbox_id != sandbox_id or record.job.command != request.command_text():
-                raise SandboxConflict(f"job id {key!r} was already used for a different command")
+                raise SandboxConflict(f"job id {key!r} is already in use; pick a new job id for a new command")
             return record
         sandbox = self._ready(sandbox_id)
         cwd = self._resolve_cwd(sandbox, request.cwd)

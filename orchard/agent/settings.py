@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from orchard.agent.image_policy import DEFAULT_REGISTRIES
 
 
 def default_state_dir() -> Path:
@@ -26,8 +28,11 @@ class AgentSettings(BaseModel):
     runtime: str = Field("bwrap", description="isolation runtime: bwrap, direct, or a plugin's")
     sandbox_uid: int = Field(1000, ge=0, description="uid of commands inside the sandbox")
     sandbox_gid: int = Field(1000, ge=0)
-    host_uid: int = Field(100000, gt=0, description="unprivileged host uid sandboxes map to (root agents)")
+    host_uid: int = Field(100000, gt=0, description="first of the unprivileged host uids sandboxes map to (root "
+                                                    "agents): each sandbox gets one of its own")
     host_gid: int = Field(100000, gt=0)
+    host_id_count: int = Field(65536, ge=1, description="how many host uids/gids from host_uid/host_gid sandboxes "
+                                                        "may use (none may belong to an account of this machine)")
     default_memory: Optional[str] = Field("4Gi", description="memory limit when a sandbox sets none")
     default_pids: Optional[int] = Field(4096, description="process limit when a sandbox sets none")
     default_disk: Optional[str] = Field("10Gi", description="writable-layer quota when a sandbox sets none")
@@ -36,10 +41,22 @@ class AgentSettings(BaseModel):
     job_retention_bytes: int = Field(512 << 20, gt=0, description="captured output kept over all finished jobs")
     ready_timeout: float = Field(60, gt=0)
     max_sandboxes: int = Field(5000, gt=0)
-    insecure_registries: list[str] = Field(default_factory=lambda: ["localhost", "127.0.0.1"])
+    insecure_registries: list[str] = Field(default_factory=lambda: ["localhost", "127.0.0.1"],
+                                           description="allowed registries reached without TLS")
+    registries: list[str] = Field(default_factory=lambda: list(DEFAULT_REGISTRIES),
+                                  description="registries docker:// images may come from (host or host:port; '*': any)")
+    image_dirs: list[str] = Field(default_factory=list,
+                                  description="directories that directory images may come from (besides STATE/rootfs)")
+    protected_dirs: list[str] = Field(default_factory=list,
+                                      description="never part of a directory image (besides the agent's own state)")
     host_paths: list[str] = Field(default_factory=list, description="extra read-only host paths for the host image")
-    max_inline_file_bytes: int = Field(128 << 20, gt=0,
+    max_body_bytes: int = Field(96 << 20, ge=1 << 20, description="largest JSON request body (413 above)")
+    max_upload_bytes: Optional[int] = Field(None, ge=1, description="largest raw upload (default: the sandbox's "
+                                                                    "disk quota decides)")
+    max_inline_file_bytes: int = Field(64 << 20, gt=0,
                                        description="largest file the JSON (base64) file routes move; raw routes have no cap")
+    idle_exit_seconds: Optional[float] = Field(900.0, gt=0, description="exit after this long with no sandbox and "
+                                               "no call (the local backend starts it again on demand); null: never")
     max_list_entries: int = Field(10000, gt=0, description="most directory entries one files/list page returns")
 
     @property
@@ -58,8 +75,20 @@ class AgentSettings(BaseModel):
     def images_dir(self) -> Path:
         return self.state_dir / "images"
 
+    @property
+    def rootfs_dir(self) -> Path:
+        return self.state_dir / "rootfs"
+
+    def image_policy(self) -> dict[str, Any]:
+        """What the ``orchard_verify_image`` hooks are given."""
+        return {"registries": self.registries, "insecure_registries": self.insecure_registries,
+                "image_dirs": [str(self.rootfs_dir), *self.image_dirs],
+                "protected_dirs": [str(self.agent_dir), str(self.sandboxes_dir), str(self.images_dir),
+                                   str(self.share_dir), *self.protected_dirs]}
+
     def make_dirs(self) -> None:
         for path, mode in [(self.state_dir, 0o711), (self.agent_dir, 0o700),
-                           (self.sandboxes_dir, 0o711), (self.share_dir, 0o755), (self.images_dir, 0o711)]:
+                           (self.sandboxes_dir, 0o711), (self.share_dir, 0o755), (self.images_dir, 0o711),
+                           (self.rootfs_dir, 0o755)]:
             path.mkdir(parents=True, exist_ok=True)
             os.chmod(path, mode)

@@ -34,27 +34,33 @@ def serve(state_dir: Optional[Path], runtime: Optional[str], uds: Optional[Path]
 @json_option
 @handle_errors
 def status(as_json: bool) -> None:
-    """Is the local agent running, and where?"""
-    from orchard.agent.settings import AgentSettings
-    from orchard.backends.local.launcher import running_agent
+    """The local agents running on this machine, and where."""
+    from orchard.backends.local.launcher import running_agents
 
-    info = running_agent(AgentSettings())
+    agents = running_agents()
     if as_json:
-        print_json(info or {})
-    elif info:
-        out.print(f"agent running: pid {info['pid']} at {info['address']} (runtime {info['runtime']})")
-    else:
+        print_json(agents)
+        return
+    if not agents:
         out.print("no agent running")
+    for info in agents:
+        out.print(f"agent pid {info['pid']} at {info['address']} (runtime {info['runtime']}, "
+                  f"state {info['state_dir']})")
 
 
 @agent.command("stop")
+@click.option("--state-dir", type=click.Path(path_type=Path), default=None,
+              help="the agent of this state directory (default: the default one)")
+@click.option("--all", "every", is_flag=True, help="every local agent on this machine")
 @handle_errors
-def stop() -> None:
-    """Stop the local agent; its sandboxes are deleted."""
+def stop(state_dir: Optional[Path], every: bool) -> None:
+    """Stop local agents; their sandboxes are deleted."""
     from orchard.agent.settings import AgentSettings
-    from orchard.backends.local.launcher import stop_agent
+    from orchard.backends.local.launcher import running_agents, stop_agent
 
-    console.print("agent stopped" if stop_agent(AgentSettings()) else "no agent was running")
+    dirs = [Path(info["state_dir"]) for info in running_agents()] if every else [state_dir]
+    stopped = [d for d in dirs if stop_agent(AgentSettings(state_dir=d) if d else AgentSettings())]
+    console.print(f"stopped {len(stopped)} agent(s)" if stopped else "no agent was running")
 
 
 @agent.command("bundle")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import json
 import sys
+from pathlib import Path
 from typing import Any, Callable, Optional
 
 import click
@@ -17,7 +18,36 @@ out = Console()
 
 url_option = click.option("--url", envvar="ORCHARD_URL", default=None,
                           help="Orchard Env server or agent URL (http://..., unix:///...); in-process if unset.")
-api_key_option = click.option("--api-key", envvar="ORCHARD_API_KEY", default=None, help="X-API-Key for --url.")
+
+
+def _remember_key_file(ctx: click.Context, param: click.Parameter, value: Optional[str]) -> None:
+    if value is not None:
+        key = Path(value).read_text().strip()
+        if not key:
+            raise click.BadParameter(f"{value} is empty", param=param)
+        ctx.meta["orchard.api_key_file"] = key
+
+
+def _key_or_file(ctx: click.Context, param: click.Parameter, value: Optional[str]) -> Optional[str]:
+    from_file = ctx.meta.get("orchard.api_key_file")
+    if value is not None and from_file is not None:
+        raise click.UsageError("give the API key once: --api-key (ORCHARD_API_KEY) or --api-key-file")
+    return value if value is not None else from_file
+
+
+def api_key_options(help_text: str) -> Callable[[Callable], Callable]:
+    """``--api-key`` (ORCHARD_API_KEY) or ``--api-key-file`` (ORCHARD_API_KEY_FILE): a key in argv
+    is visible to every user in ``ps``, so scripts should prefer the variable or the file."""
+    def decorate(func: Callable) -> Callable:
+        func = click.option("--api-key", envvar="ORCHARD_API_KEY", default=None, callback=_key_or_file,
+                            help=f"{help_text} (visible in ps: prefer ORCHARD_API_KEY or --api-key-file)")(func)
+        return click.option("--api-key-file", envvar="ORCHARD_API_KEY_FILE", default=None, expose_value=False,
+                            is_eager=True, callback=_remember_key_file,
+                            type=click.Path(exists=True, dir_okay=False), help="file holding the API key")(func)
+    return decorate
+
+
+api_key_option = api_key_options("X-API-Key for --url")
 backend_option = click.option("--backend", envvar="ORCHARD_BACKEND", default="local", show_default=True,
                               help="Backend for in-process mode.")
 json_option = click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")

@@ -7,7 +7,7 @@ from typing import Optional
 
 import click
 
-from orchard.cli.common import handle_errors
+from orchard.cli.common import api_key_options, handle_errors
 
 
 @click.command()
@@ -16,7 +16,7 @@ from orchard.cli.common import handle_errors
 @click.option("--backend", default=None, help="backend name (overrides the config)")
 @click.option("--host", default=None)
 @click.option("--port", type=int, default=None)
-@click.option("--api-key", envvar="ORCHARD_API_KEY", default=None, help="X-API-Key callers must send")
+@api_key_options("X-API-Key callers must send")
 @click.option("--state", type=click.Path(path_type=Path), default=None, help="SQLite file of the server's records")
 @handle_errors
 def serve(config_path: Optional[Path], backend: Optional[str], host: Optional[str], port: Optional[int],

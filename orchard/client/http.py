@@ -16,7 +16,7 @@ import functools
 import json
 import random
 import ssl
-from typing import Any, AsyncIterator, Optional
+from typing import Any, AsyncIterator, Optional, Union
 from urllib.parse import urlencode
 
 import aiohttp
@@ -47,6 +47,9 @@ class ScopedApi:
 
     def stream(self, path: str, json_body: Any, timeout: Optional[float] = None) -> AsyncIterator[dict]:
         return self.api.stream(path, json_body, timeout=timeout, headers=self.headers)
+
+    async def download(self, path: str, **kwargs: Any) -> tuple[Optional[int], AsyncIterator[bytes]]:
+        return await self.api.download(path, headers={**(kwargs.pop("headers", None) or {}), **self.headers}, **kwargs)
 
 
 class ApiClient:
@@ -86,8 +89,8 @@ class ApiClient:
             await self._session.close()
             self._session = None
 
-    def _prepare(self, path: str, params: Optional[dict], json_body: Any, content: Optional[bytes],
-                 headers: Optional[dict], timeout: Optional[float]) -> tuple[str, dict, Optional[bytes], Any]:
+    def _prepare(self, path: str, params: Optional[dict], json_body: Any, content: Any,
+                 headers: Optional[dict], timeout: Optional[float]) -> tuple[str, dict, Any, Any]:
         url = f"{self.origin}{path}"
         if params:
             url += "?" + urlencode({k: v for k, v in params.items() if v is not None}, doseq=True)
@@ -100,9 +103,12 @@ class ApiClient:
 
     async def request(self, method: str, path: str, *, json_body: Any = None, params: Optional[dict] = None,
                       headers: Optional[dict] = None, timeout: Optional[float] = None, idempotent: bool = True,
-                      content: Optional[bytes] = None, raw_response: bool = False) -> Any:
-        """JSON in and out by default; ``content`` sends bytes, ``raw_response`` returns bytes."""
+                      content: Union[bytes, AsyncIterator[bytes], None] = None, raw_response: bool = False) -> Any:
+        """JSON in and out by default; ``content`` sends bytes (or streams them: never retried,
+        a stream cannot be replayed), ``raw_response`` returns bytes."""
         url, all_headers, body, limits = self._prepare(path, params, json_body, content, headers, timeout)
+        if content is not None and not isinstance(content, bytes):
+            idempotent = False
         session = self._open()
         attempt = 0
         while True:
@@ -122,6 +128,32 @@ class ApiClient:
                     raise self._error(status, payload)
             attempt += 1
             await asyncio.sleep(min(2.0, 0.05 * 2 ** attempt) * (0.5 + random.random()))
+
+    async def download(self, path: str, params: Optional[dict] = None, headers: Optional[dict] = None,
+                       timeout: Optional[float] = None) -> tuple[Optional[int], AsyncIterator[bytes]]:
+        """GET a body as a stream: (its length if known, its chunks as they arrive). The
+        response stays open until the chunks are consumed or closed."""
+        url, all_headers, _, limits = self._prepare(path, params, None, None, headers, timeout)
+        try:
+            response = await self._open().get(url, headers=all_headers, timeout=limits)
+        except (asyncio.TimeoutError, *TRANSIENT_ERRORS) as exc:
+            raise AgentUnreachable(f"{self.url}{path}: {type(exc).__name__}: {exc}") from None
+        if response.status >= 400:
+            try:
+                raise self._error(response.status, await response.read())
+            finally:
+                response.release()
+
+        async def chunks() -> AsyncIterator[bytes]:
+            try:
+                async for chunk in response.content.iter_chunked(1 << 20):
+                    yield chunk
+            except (asyncio.TimeoutError, *TRANSIENT_ERRORS) as exc:
+                raise AgentUnreachable(f"{self.url}{path}: {type(exc).__name__}: {exc}") from None
+            finally:
+                response.release()
+
+        return response.content_length, chunks()
 
     @staticmethod
     def _error(status: int, content: bytes) -> OrchardError:

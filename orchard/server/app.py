@@ -20,7 +20,7 @@ from orchard.routes import add_sandbox_routes
 from orchard.server.observability import Metrics, RequestLogMiddleware
 from orchard.server.reconciler import Reconciler
 from orchard.server.service import ServerService
-from orchard.webapi import ApiKeyMiddleware, validation_body
+from orchard.webapi import ApiKeyMiddleware, BodyLimitMiddleware, validation_body
 
 def create_app(service: ServerService, reconciler: Reconciler, api_key: Optional[str]) -> FastAPI:
     metrics: Metrics = service.metrics
@@ -36,6 +36,8 @@ def create_app(service: ServerService, reconciler: Reconciler, api_key: Optional
                   description="Sandboxes for training language-model agents (compatible with the original Orchard Env).")
     if api_key is not None:
         app.add_middleware(ApiKeyMiddleware, token=api_key)
+    app.add_middleware(BodyLimitMiddleware, limit=service.config.max_body_bytes,
+                       raw_limit=service.config.max_upload_bytes)
     app.add_middleware(RequestLogMiddleware, metrics=metrics)
 
     @app.exception_handler(OrchardError)

@@ -12,7 +12,9 @@ import asyncio
 import logging
 import secrets
 import time
-from typing import Any, AsyncIterator, Optional
+from typing import Any, AsyncIterator, Generator, Optional
+
+from fastapi.exceptions import RequestValidationError
 
 from orchard.agent.tokens import sandbox_token
 from orchard.backends.api import Backend
@@ -21,7 +23,9 @@ from orchard.errors import (
     AgentUnreachable, JobNotFound, OrchardError, SandboxConflict, SandboxLost, SandboxNotFound, SandboxNotReady,
     WaitTimeout,
 )
-from orchard.models import ExecRequest, FileUpload, Job, PatchRequest, QueuedJob, Sandbox, SandboxSpec
+from orchard.models import (
+    JOB_ID_RULE, ExecRequest, FileUpload, Job, PatchRequest, QueuedJob, Sandbox, SandboxSpec, valid_job_id,
+)
 from orchard.plugins import emit_event
 from orchard.server.config import ServerConfig
 from orchard.server.observability import Metrics
@@ -136,11 +140,12 @@ class ServerService:
         self.store.put_sandbox(SandboxRecord(spec, sandbox, time.time()))
         emit_event({"type": "ready", "sandbox_id": sandbox_id, "time": time.time()})
         endpoint = await self.backend.endpoint(sandbox_id)
-        if endpoint.token is None:
+        if endpoint.token is None or created.incarnation is None:
             return sandbox
         # Only the creator hears of the direct path; GET never shows the token again.
         return sandbox.model_copy(update={"agent_url": endpoint.url,
-                                          "agent_token": sandbox_token(endpoint.token, sandbox_id)})
+                                          "agent_token": sandbox_token(endpoint.token, sandbox_id,
+                                                                       created.incarnation)})
 
     def get(self, sandbox_id: str) -> Sandbox:
         record = self.record(sandbox_id)
@@ -198,50 +203,65 @@ class ServerService:
             raise SandboxLost(f"sandbox {record.sandbox.sandbox_id!r} was lost: {reason}") from None
 
     # -- exec ----------------------------------------------------------------------
+    def _job_key(self, sandbox_id: str, request: ExecRequest,
+                 idempotency_key: Optional[str]) -> tuple[Optional[str], Optional[Job]]:
+        """The request's job id (body ``job_id``, else the ``Idempotency-Key`` header) and the
+        job stored under it, checked before anything is stored or sent to the agent."""
+        if idempotency_key:  # an empty header counts as none, as it always did
+            if not valid_job_id(idempotency_key):
+                raise RequestValidationError([{"loc": ("header", "idempotency-key"), "msg": JOB_ID_RULE,
+                                               "type": "value_error"}])
+        key = request.job_id or idempotency_key or None
+        known = self.store.get_job(key) if key is not None else None
+        if known is not None and (known.sandbox_id != sandbox_id or known.command != request.command_text()):
+            # The same answer whatever the other use was: nothing about its sandbox or command.
+            raise SandboxConflict(f"job id {key!r} is already in use; pick a new job id for a new command")
+        return key, known
+
     async def exec(self, sandbox_id: str, request: ExecRequest, idempotency_key: Optional[str]) -> bytes:
         """Run a command through the sandbox's agent; returns the agent's JSON answer as is."""
         record = self.usable(sandbox_id)
-        key = request.job_id or idempotency_key
-        if key is not None:
-            known = self.store.get_job(key)
-            if known is not None and (known.sandbox_id != sandbox_id or known.command != request.command_text()):
-                raise SandboxConflict(f"job id {key!r} was already used for a different command")
-            if known is not None and known.done:
-                answer = known if request.wait else QueuedJob(job_id=key, status=known.status)
-                return answer.model_dump_json().encode()
+        key, known = self._job_key(sandbox_id, request, idempotency_key)
+        if known is not None and known.done:
+            answer = known if request.wait else QueuedJob(job_id=known.job_id, status=known.status)
+            return answer.model_dump_json().encode()
         job_id = key or f"job-{secrets.token_hex(8)}"
-        if not request.wait:  # a job polled later must be findable even if this server restarts first
-            self.store.put_job(Job(job_id=job_id, sandbox_id=sandbox_id, command=request.command_text(),
-                                   status="queued", created_at=time.time()))
         body = request.model_dump(mode="json")
         body["job_id"] = job_id  # the agent is idempotent on it: a retry never runs twice
-        start = time.perf_counter()
+        created_at, start = time.time(), time.perf_counter()
         async with self.exec_slots:
             answer = await self.forward(record, "POST", f"/sandboxes/{sandbox_id}/exec", json_body=body,
                                         timeout=request.effective_timeout() + 30, raw_response=True)
         if request.wait:
             self.metrics.exec_seconds.observe(time.perf_counter() - start)
             self.store.put_job_json(sandbox_id, answer)
+        elif known is None:
+            # Stored once the agent took it (a refused request leaves no record that would stay
+            # "queued" forever) and before the caller hears the id, so it can be polled even
+            # after a server restart.
+            self.store.put_job(Job(job_id=job_id, sandbox_id=sandbox_id, command=request.command_text(),
+                                   status="queued", created_at=created_at))
         return answer
 
-    async def stream(self, sandbox_id: str, request: ExecRequest,
-                     idempotency_key: Optional[str] = None) -> AsyncIterator[dict]:
-        self.usable(sandbox_id)
+    def stream(self, sandbox_id: str, request: ExecRequest, idempotency_key: Optional[str] = None) -> CommandStream:
+        """The command's events. What can be checked at once (the sandbox, the job id) is checked
+        when this is called, so the route answers 404, 409 or 422 rather than a 200 it then cuts;
+        the agent takes the command when the result is awaited (or, at the latest, on the first
+        event), so a route that awaits it answers the agent's refusal with its status as well."""
+        record = self.usable(sandbox_id)
+        key, known = self._job_key(sandbox_id, request, idempotency_key)
         body = request.model_dump(mode="json")
-        body["job_id"] = body.get("job_id") or idempotency_key or f"job-{secrets.token_hex(8)}"
-        api = await self.agent(sandbox_id)
-        async with self.exec_slots:
-            async for event in api.stream(f"/sandboxes/{sandbox_id}/exec/stream", body,
-                                          timeout=request.effective_timeout() + 30):
-                if event.get("type") == "exit":
-                    self.store.put_job(Job(**event["job"]))
-                yield event
+        body["job_id"] = key or f"job-{secrets.token_hex(8)}"
+        body["wait"] = False
+        return CommandStream(self, record, request, body, known)
 
     async def wait_job(self, job_id: str, timeout: float) -> Job:
         return await self.job(job_id, wait=timeout)
 
     async def job(self, job_id: str, wait: Optional[float] = None) -> Job:
         """A job from the store, brought up to date from its agent while it is not done."""
+        if not valid_job_id(job_id):  # never stored (see _job_key), and no path to send on to an agent
+            raise JobNotFound(f"job {job_id[:80]!r} not found")
         job = self.store.get_job(job_id)
         if job is None:
             raise JobNotFound(f"job {job_id!r} not found")
@@ -256,7 +276,13 @@ class ServerService:
         try:
             fresh = Job(**await self.forward(record, "GET", path, params=params, timeout=(wait or 0) + 30))
         except JobNotFound:
-            await self.confirm_lost(record)
+            if await self.confirm_lost(record) is None:
+                # Every job stored here was taken by the agent first, so the agent forgot it (its
+                # record expired), or an older server stored it for a request the agent refused:
+                # it will never move on, so it ends rather than stay unfinished for ever.
+                self.store.put_job(job.model_copy(update={
+                    "status": "failed", "error_type": "internal", "completed_at": time.time(),
+                    "error": "the sandbox's agent has no record of this job (it expired, or the agent refused it)"}))
             return self.store.get_job(job_id) or job
         except SandboxLost:
             return self.store.get_job(job_id) or job
@@ -283,18 +309,21 @@ class ServerService:
         return await self._files(sandbox_id, "GET", "files/list", params=params)
 
     async def upload_raw(self, sandbox_id: str, path: str, chunks: AsyncIterator[bytes], mode: Optional[int]) -> dict:
-        data = b"".join([chunk async for chunk in chunks])
-        return await self._files(sandbox_id, "PUT", "files/raw", params={"path": path, "mode": mode}, content=data,
+        """The body goes on to the agent as it arrives: the server never holds a whole file."""
+        return await self._files(sandbox_id, "PUT", "files/raw", params={"path": path, "mode": mode}, content=chunks,
                                  timeout=600)
 
-    async def download_raw(self, sandbox_id: str, path: str) -> tuple[int, AsyncIterator[bytes]]:
-        data = await self._files(sandbox_id, "GET", "files/raw", params={"path": path}, raw_response=True,
-                                 timeout=600)
-
-        async def chunks() -> AsyncIterator[bytes]:
-            yield data
-
-        return len(data), chunks()
+    async def download_raw(self, sandbox_id: str, path: str) -> tuple[Optional[int], AsyncIterator[bytes]]:
+        """The agent's answer is passed on as it arrives."""
+        record = self.usable(sandbox_id)
+        api = await self.agent(sandbox_id)
+        try:
+            return await api.download(f"/sandboxes/{sandbox_id}/files/raw", params={"path": path}, timeout=600)
+        except (AgentUnreachable, SandboxNotFound, SandboxLost) as exc:
+            reason = await self.confirm_lost(record)
+            if reason is None:
+                raise exc
+            raise SandboxLost(f"sandbox {sandbox_id!r} was lost: {reason}") from None
 
     async def resources(self) -> dict[str, Any]:
         counts: dict[str, int] = {}
@@ -306,3 +335,66 @@ class ServerService:
             backend = {"error": exc.message}
         return {"backend": self.backend.name, "sandboxes": counts, "capacity": backend,
                 "max_concurrent_exec": self.config.max_concurrent_exec}
+
+
+class CommandStream:
+    """The events of one command streamed through the server (see ``ServerService.stream``):
+    ``await`` it to have the agent take the command, iterate it for ``{"type": ...}`` events.
+    A job already finished under this id is replayed from the store, never run again."""
+
+    def __init__(self, service: ServerService, record: SandboxRecord, request: ExecRequest, body: dict[str, Any],
+                 known: Optional[Job]) -> None:
+        self.service = service
+        self.record = record
+        self.request = request
+        self.body = body
+        self.known = known
+        self._submitted = known is not None and known.done
+        self._events: Optional[AsyncIterator[dict]] = None
+
+    def __await__(self) -> Generator[Any, None, CommandStream]:
+        return self.submit().__await__()
+
+    async def submit(self) -> CommandStream:
+        """Send the command to the agent (once); its refusal is raised here, as an error."""
+        if not self._submitted:
+            sandbox_id = self.record.sandbox.sandbox_id
+            await self.service.forward(self.record, "POST", f"/sandboxes/{sandbox_id}/exec", json_body=self.body,
+                                       timeout=30)
+            self._submitted = True
+            if self.known is None:  # pollable from now on, like a queued exec
+                self.service.store.put_job(Job(job_id=self.body["job_id"], sandbox_id=sandbox_id,
+                                               command=self.request.command_text(), status="queued",
+                                               created_at=time.time()))
+        return self
+
+    def __aiter__(self) -> CommandStream:
+        return self
+
+    async def __anext__(self) -> dict:
+        if self._events is None:
+            self._events = self._generate()
+        return await self._events.__anext__()
+
+    async def aclose(self) -> None:
+        if self._events is not None:
+            await self._events.aclose()  # type: ignore[attr-defined]
+
+    async def _generate(self) -> AsyncIterator[dict]:
+        if self.known is not None and self.known.done:
+            for name in ("stdout", "stderr"):
+                if getattr(self.known, name):
+                    yield {"type": name, "data": getattr(self.known, name)}
+            yield {"type": "exit", "job": self.known.model_dump()}
+            return
+        await self.submit()
+        service, sandbox_id = self.service, self.record.sandbox.sandbox_id
+        api = await service.agent(sandbox_id)
+        # The agent has the job (and its stdin) by now: this call only attaches to it by job id.
+        attach = {**self.body, "stdin": None}
+        async with service.exec_slots:
+            async for event in api.stream(f"/sandboxes/{sandbox_id}/exec/stream", attach,
+                                          timeout=self.request.effective_timeout() + 30):
+                if event.get("type") == "exit":
+                    service.store.put_job(Job(**event["job"]))
+                yield event

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Optional
 
+from pydantic import ValidationError
+
 from orchard.models import Job, Sandbox, SandboxSpec
 
 
@@ -104,7 +106,11 @@ class SQLiteStore(Store):
     @staticmethod
     def _record(row: Iterable) -> SandboxRecord:
         spec, sandbox, last_seen = row
-        return SandboxRecord(SandboxSpec.model_validate_json(spec), Sandbox.model_validate_json(sandbox), last_seen)
+        try:
+            parsed = SandboxSpec.model_validate_json(spec)
+        except ValidationError:  # stored under older, looser rules: keep it readable and deletable
+            parsed = SandboxSpec.model_construct(**json.loads(spec))
+        return SandboxRecord(parsed, Sandbox.model_validate_json(sandbox), last_seen)
 
     def get_sandbox(self, sandbox_id: str) -> Optional[SandboxRecord]:
         row = self.db.execute("SELECT spec, sandbox, last_seen FROM sandboxes WHERE sandbox_id=?",

@@ -102,3 +102,11 @@ def test_default_seccomp_filter_denies_kernel_keyrings(sandbox):
               f"r = libc.syscall({ADD_KEY}, b'user', b'orchard', b'x', 1, -2); print(r, ctypes.get_errno())")
     result = sandbox.exec(["python3", "-c", script])
     assert result.stdout.split() == ["-1", "1"], result.stdout + result.stderr  # EPERM from the filter
+
+
+def test_host_global_proc_entries_are_masked(sandbox):
+    for name in ("kallsyms", "timer_list", "sysrq-trigger", "kcore"):
+        result = sandbox.exec(f"test -e /proc/{name} || exit 0; wc -c < /proc/{name}")
+        assert result.stdout.strip() in ("", "0"), (name, result)
+    mounts = sandbox.exec("awk '$5 == \"/proc/sys\" {print $6}' /proc/self/mountinfo").stdout
+    assert mounts.startswith("ro"), mounts

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from orchard.errors import ImageRejected
+from tests.backends.test_local_isolation import host_uid_of
 from tests.images import Registry, busybox_rootfs, have_image_tools
 
 pytestmark = pytest.mark.skipif(not have_image_tools() and not os.environ.get("CI"),
@@ -79,8 +80,62 @@ def test_missing_image_is_a_clear_error(orchard_client, registry):
     with pytest.raises(ImageRejected, match="cannot be pulled"):
         orchard_client.create(f"docker://{registry.address}/no-such-image:latest")
     with pytest.raises(ImageRejected, match="does not exist"):
-        orchard_client.create("/no/such/rootfs")
+        orchard_client.create("/tmp/no/such/rootfs")
     with pytest.raises(ImageRejected):
         orchard_client.create("relative/path")
     with orchard_client.create() as still_fine:
         assert still_fine.exec("echo ok").stdout == "ok\n"
+
+
+def test_directory_images_come_only_from_the_configured_directories(orchard_client, agent_settings):
+    """Any API-key holder could read host files through a directory image ("/etc") or the
+    agent's master token through its own state directory."""
+    for image in ("/etc", "dir:///etc", "/", "/root", str(agent_settings.agent_dir), str(agent_settings.state_dir),
+                  f"dir://{agent_settings.sandboxes_dir}"):
+        with pytest.raises(ImageRejected, match="refused by policy"):
+            orchard_client.create(image)
+
+
+def test_directory_images_in_the_rootfs_directory_are_allowed_by_default(agent_settings):
+    from orchard.agent.image_policy import orchard_verify_image
+
+    policy = agent_settings.model_copy(update={"image_dirs": []}).image_policy()
+    assert orchard_verify_image(str(agent_settings.rootfs_dir / "debian"), policy) is None
+    assert "image_dirs" in orchard_verify_image("/tmp/some-root", policy)
+    escape = agent_settings.rootfs_dir / "escape"
+    escape.symlink_to("/etc")
+    try:
+        assert orchard_verify_image(str(escape), policy) is not None  # resolved before it is judged
+    finally:
+        escape.unlink()
+
+
+def test_registries_come_from_an_allow_list(orchard_client):
+    """docker://127.0.0.1:PORT/... let a caller probe the agent's internal ports."""
+    for image in ("docker://10.0.0.1:2375/x:latest", "docker://metadata.internal/x", "docker://evil.example/x"):
+        with pytest.raises(ImageRejected, match="not in the allowed registries"):
+            orchard_client.create(image)
+
+
+def test_registry_names_are_read_as_docker_reads_them():
+    from orchard.agent.image_policy import DEFAULT_REGISTRIES, registry_allowed, registry_of
+
+    assert registry_of("docker://ubuntu:22.04") == "docker.io"
+    assert registry_of("docker://library/ubuntu") == "docker.io"
+    assert registry_of("docker://ghcr.io/org/img@sha256:abc") == "ghcr.io"
+    assert registry_of("docker://127.0.0.1:5000/img") == "127.0.0.1:5000"
+    assert registry_of("docker://localhost/img") == "localhost"
+    assert registry_allowed("docker.io", list(DEFAULT_REGISTRIES))
+    assert not registry_allowed("127.0.0.1:5000", list(DEFAULT_REGISTRIES))
+    assert registry_allowed("127.0.0.1:5000", ["127.0.0.1"]) and not registry_allowed("127.0.0.1:5000", ["127.0.0.1:6000"])
+    assert registry_allowed("anything.example", ["*"])
+
+
+def test_image_files_stay_the_sandbox_users_under_its_own_uid(orchard_client, busybox_dir):
+    """Images are unpacked once for the first id; other sandboxes see them through an
+    idmapped mount, as their own."""
+    with orchard_client.create(str(busybox_dir)) as first, orchard_client.create(str(busybox_dir)) as second:
+        assert host_uid_of(first) != host_uid_of(second)
+        for sandbox in (first, second):
+            assert sandbox.exec("stat -c %u /etc/os-release; id -u").stdout.split() == ["1000", "1000"]
+            assert sandbox.exec("echo changed > /etc/os-release && cat /etc/os-release").stdout == "changed\n"

@@ -35,7 +35,7 @@ def test_unprivileged_inside_and_outside(sandbox):
     assert "NoNewPrivs:\t1" in inside
     status = Path(f"/proc/{holder_pid(sandbox)}/status").read_text()
     host_uids = next(line for line in status.splitlines() if line.startswith("Uid:")).split()[1:]
-    assert all(int(uid) == 100000 for uid in host_uids), "sandbox processes must not be root on the host"
+    assert all(100000 <= int(uid) < 100000 + 65536 for uid in host_uids), "sandbox processes must not be root on the host"
 
 
 def test_host_image_exposes_only_the_allow_list(sandbox):
@@ -127,3 +127,24 @@ def test_zombies_are_reaped(sandbox):
     sandbox.exec("for i in 1 2 3; do (sleep 0.1 &) ; done; sleep 0.5")
     zombies = sandbox.exec("grep -l '^State:.*Z' /proc/[0-9]*/status 2>/dev/null | wc -l").stdout.strip()
     assert zombies == "0"
+
+
+def host_uid_of(sandbox) -> int:
+    status = Path(f"/proc/{holder_pid(sandbox)}/status").read_text()
+    return int(next(line for line in status.splitlines() if line.startswith("Uid:")).split()[1])
+
+
+def test_each_sandbox_has_its_own_host_uid_so_per_user_limits_are_its_own(orchard_client):
+    """All sandboxes shared host uid 100000: one exhausting the per-user inotify limit (128
+    instances) broke inotify in every other sandbox on the host."""
+    hog = ("import ctypes, time; libc = ctypes.CDLL(None); fds = [libc.inotify_init() for _ in range(400)]; "
+           "open('/tmp/held', 'w').write(str(sum(fd >= 0 for fd in fds))); time.sleep(120)")
+    probe = "import ctypes; print(ctypes.CDLL(None).inotify_init())"
+    with orchard_client.create("host") as greedy, orchard_client.create("host") as neighbour:
+        assert host_uid_of(greedy) != host_uid_of(neighbour)
+        greedy.exec(f"python3 -c \"{hog}\" > /dev/null 2>&1 &")
+        greedy.exec("for i in $(seq 100); do [ -s /tmp/held ] && break; sleep 0.1; done")
+        assert int(greedy.download("/tmp/held")) < 400  # it did hit its own limit
+        assert int(greedy.exec(["python3", "-c", probe]).stdout) < 0
+        assert int(neighbour.exec(["python3", "-c", probe]).stdout) >= 0
+

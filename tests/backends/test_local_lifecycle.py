@@ -117,3 +117,59 @@ def test_direct_runtime_only_by_name():
     finally:
         stop_agent(settings)
         subprocess.run(["rm", "-rf", str(state)])
+
+
+def test_a_state_dir_the_sandbox_uid_cannot_reach_is_refused_naming_it():
+    """A state directory below a 0700 one (mktemp -d, a private home): every create used to
+    fail deep in bwrap with 503 "Can't find source path"."""
+    import tempfile
+
+    from orchard.agent.settings import AgentSettings
+    from orchard.backends.local.launcher import ensure_agent, stop_agent
+
+    private = Path(tempfile.mkdtemp(prefix="orchard-private-", dir="/tmp"))  # mode 0700
+    settings = AgentSettings(state_dir=private / "state")
+    try:
+        with pytest.raises(BackendUnavailable, match=f"below {private} \\(mode 0700\\).*chmod o\\+x {private}"):
+            ensure_agent(settings)
+    finally:
+        stop_agent(settings)
+        subprocess.run(["rm", "-rf", str(private)])
+
+
+def test_agent_status_lists_every_local_agent(agent_settings, sandbox):
+    import json
+
+    listed = subprocess.run([sys.executable, "-m", "orchard.cli", "agent", "status", "--json"], capture_output=True,
+                            text=True, check=True).stdout
+    assert str(agent_settings.state_dir) in {info["state_dir"] for info in json.loads(listed)}
+
+
+def test_an_idle_agent_exits_and_the_next_call_starts_another():
+    """Every `orchard serve` used to leave its agent running: 17 idle agents after an afternoon."""
+    import time
+
+    from orchard.agent.settings import AgentSettings
+    from orchard.backends.local.launcher import ensure_agent, running_agent, running_agents, stop_agent
+    from orchard.client import Client
+
+    state = Path(f"/tmp/orchard-idle-{os.getpid()}")
+    settings = AgentSettings(state_dir=state, idle_exit_seconds=1.0)
+    try:
+        ensure_agent(settings)
+        first = running_agent(settings)
+        assert first is not None and str(state) in {info["state_dir"] for info in running_agents()}
+        deadline = time.monotonic() + 15
+        while running_agent(settings) is not None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert running_agent(settings) is None, "an agent with nothing to do kept running"
+        with Client(backend_settings={"agent": settings.model_dump(mode="json")}) as client:
+            with client.create() as sandbox:
+                time.sleep(2.5)  # a sandbox keeps its agent alive, however quiet
+                assert sandbox.exec("echo again").stdout == "again\n"
+        stopped = subprocess.run([sys.executable, "-m", "orchard.cli", "agent", "stop", "--state-dir", str(state)],
+                                 capture_output=True, text=True)
+        assert stopped.returncode == 0
+    finally:
+        stop_agent(settings)
+        subprocess.run(["rm", "-rf", str(state)])

@@ -144,3 +144,25 @@ def test_failing_backend_list_deletes_nothing(server_factory, paused_agent):
         job = http.post(f"/sandboxes/{sid}/exec", json={"command": "echo intact", "wait": True}).json()
         assert job["stdout"] == "intact\n"
         http.delete(f"/sandboxes/{sid}")
+
+
+def test_a_queued_record_the_agent_never_took_ends_instead_of_staying_queued(server_factory):
+    """An older server stored "queued" before the agent answered, so a refused request left a
+    record that no agent would ever move on; it must end (failed), not read "queued" for ever."""
+    from orchard.models import Job
+    from orchard.server.store import SQLiteStore
+
+    server = server_factory()
+    with server.http() as http:
+        sid = http.post("/sandboxes", json={}).json()["sandbox_id"]
+    server.kill9()
+    store = SQLiteStore(server.root / "server.db")
+    store.put_job(Job(job_id="never-taken", sandbox_id=sid, command="true", status="queued", created_at=time.time()))
+    store.close()
+    server.start()
+    with server.http() as http:
+        job = http.get("/jobs/never-taken/wait", params={"timeout": 5}).json()
+        assert job["status"] == "failed" and job["error_type"] == "internal" and "no record" in job["error"], job
+        assert http.get("/jobs/never-taken").json()["status"] == "failed"
+        assert http.get(f"/sandboxes/{sid}").json()["status"] == "ready"  # the sandbox itself is fine
+        http.delete(f"/sandboxes/{sid}")

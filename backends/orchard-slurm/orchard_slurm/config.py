@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
-from typing import Literal, Optional
+from typing import Any, Literal, Optional
 
 from pydantic import Field, model_validator
 
 from orchard.backends.api import BackendConfig
-from orchard.agent.settings import default_state_dir
+from orchard.agent.image_policy import DEFAULT_REGISTRIES
+from orchard.agent.reachable import unreachable_reason
+from orchard.agent.settings import AgentSettings, default_state_dir
 
 
 PER_JOB_CONTAINERS = ("bwrap", "charliecloud", "apptainer")
@@ -27,6 +30,10 @@ class SlurmConfig(BackendConfig):
                                                               "once for every job (default: shared_dir/image-cache)")
     insecure_registries: list[str] = Field(default_factory=lambda: ["localhost", "127.0.0.1"],
                                            description="per-job mode: registries pulled from without TLS")
+    registries: list[str] = Field(default_factory=lambda: list(DEFAULT_REGISTRIES),
+                                  description="registries docker:// images may come from (host or host:port; '*': any)")
+    image_dirs: list[Path] = Field(default_factory=list, description="directories that directory images may come "
+                                                                    "from (besides shared_dir/images)")
     partition: Optional[str] = None
     account: Optional[str] = None
     qos: Optional[str] = None
@@ -54,8 +61,19 @@ class SlurmConfig(BackendConfig):
                                                        "naming the shared directory, how orphans are found")
     slurm_poll_seconds: float = Field(2.0, gt=0, description="how stale a pilot's Slurm state may be")
 
+    def image_policy(self) -> dict[str, Any]:
+        """The image policy of this backend's agents (see orchard.agent.image_policy)."""
+        return {"registries": self.registries, "insecure_registries": self.insecure_registries,
+                "image_dirs": [str(self.shared_dir / "images"), *map(str, self.image_dirs)],
+                "protected_dirs": [str(self.shared_dir / "pilots")]}
+
     @model_validator(mode="after")
     def _known_runtime(self) -> "SlurmConfig":
+        if os.geteuid() == 0 and (self.mode == "per-job" or self.runtime != "direct"):
+            sandbox_ids = AgentSettings.model_fields["host_uid"].default, AgentSettings.model_fields["host_gid"].default
+            reason = unreachable_reason(self.shared_dir, *sandbox_ids, setting="shared_dir")
+            if reason:
+                raise ValueError(reason)
         if self.min_pilots > self.max_pilots:
             raise ValueError(f"min_pilots ({self.min_pilots}) is more than max_pilots ({self.max_pilots})")
         if self.mode == "per-job":

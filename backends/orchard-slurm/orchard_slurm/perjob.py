@@ -20,7 +20,7 @@ import secrets
 import shutil
 import signal
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
@@ -52,7 +52,7 @@ class SandboxJob:
     bundle: str
     host: Optional[str] = None
     image_cache: Optional[str] = None  # where docker:// images are unpacked (shared between jobs)
-    insecure_registries: tuple[str, ...] = ()
+    image_policy: dict = field(default_factory=dict)  # SlurmConfig.image_policy()
 
 
 def container_argv(job: SandboxJob, root: Path, run_dir: Path, writable: bool) -> list[str]:
@@ -92,7 +92,7 @@ async def resolve_image(job: SandboxJob, reaper: ChildReaper) -> ResolvedImage:
         return ResolvedImage(reference=job.image, kind="rootfs", rootfs=Path(job.image))
     cache = Path(job.image_cache or Path(job.job_dir).parent.parent / "image-cache")
     cache.mkdir(parents=True, exist_ok=True)
-    store = ImageStore(cache, UNPRIVILEGED if os.geteuid() == 0 else None, list(job.insecure_registries), reaper)
+    store = ImageStore(cache, UNPRIVILEGED if os.geteuid() == 0 else None, job.image_policy, reaper)
     return await store.resolve(job.image)
 
 

@@ -55,12 +55,15 @@ def read_stop_record(pilot_dir: Path) -> Optional[dict]:
         return None
 
 
-def run_pilot(state_dir: str, runtime: str, host: Optional[str], max_sandboxes: int) -> None:
+def run_pilot(state_dir: str, runtime: str, host: Optional[str], max_sandboxes: int, image_policy: dict) -> None:
     from orchard.agent.main import serve
     from orchard.agent.settings import AgentSettings
 
     host = host or socket.gethostname()
-    settings = AgentSettings(state_dir=state_dir, runtime=runtime, max_sandboxes=max_sandboxes)
+    settings = AgentSettings(state_dir=state_dir, runtime=runtime, max_sandboxes=max_sandboxes,
+                             idle_exit_seconds=None,  # the pool decides when an idle pilot ends
+                             **{key: image_policy[key] for key in ("registries", "insecure_registries", "image_dirs",
+                                                                   "protected_dirs")})
     stop_before_time_limit(Path(state_dir))
     serve(settings, host=host, port=free_port(host), log_level="warning",
           graceful_shutdown_seconds=GRACEFUL_SHUTDOWN_SECONDS)

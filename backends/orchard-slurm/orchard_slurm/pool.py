@@ -18,8 +18,9 @@ from pathlib import Path
 from typing import Any, Optional
 
 from orchard.client.http import ApiClient
-from orchard.errors import BackendUnavailable, OrchardError, SandboxNotFound
+from orchard.errors import BackendUnavailable, ImageRejected, OrchardError, SandboxNotFound
 from orchard.models import SandboxSpec
+from orchard.plugins import verify_image
 from orchard_slurm import slurm
 from orchard_slurm.config import SlurmConfig
 from orchard_slurm.perjob import SandboxJob, run_sandbox_job
@@ -123,17 +124,21 @@ class PilotPool:
         return pilot_id, directory
 
     def _pilot_call(self, directory: Path) -> tuple:
-        return (run_pilot, str(directory), self.config.runtime, self.config.agent_host, self.config.sandboxes_per_pilot)
+        return (run_pilot, str(directory), self.config.runtime, self.config.agent_host, self.config.sandboxes_per_pilot,
+                self.config.image_policy())
 
     async def submit(self, spec: Optional[SandboxSpec] = None) -> Pilot:
         """Submit a pilot, or (per-job mode, given the sandbox's spec) the job of one sandbox."""
         if spec is None:
             return (await self.submit_pilots(1))[0]
+        reason = verify_image(spec.image, self.config.image_policy())
+        if reason:
+            raise ImageRejected(f"image {spec.image!r} refused by policy: {reason}")
         pilot_id, directory = self._new_directory()
         cache = self.config.image_cache_dir or self.config.shared_dir / "image-cache"
         call = (run_sandbox_job, SandboxJob(str(directory), str(spec.sandbox_id), spec.image, self.config.runtime,
                                             spec.block_network, str(await self.bundle()), self.config.agent_host,
-                                            str(cache), tuple(self.config.insecure_registries)))
+                                            str(cache), self.config.image_policy()))
         submitted_at = time.time()
         job = await asyncio.to_thread(self.executor().submit, *call)
         return self._track(pilot_id, directory, str(job.job_id), submitted_at)

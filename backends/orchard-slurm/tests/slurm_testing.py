@@ -37,7 +37,8 @@ def slurm_settings(**overrides: Any) -> dict[str, Any]:
     """A fresh shared directory (reachable by the sandbox uid) and a unique job name."""
     shared = Path(tempfile.mkdtemp(prefix="orchard-slurm-test-", dir="/tmp"))
     shared.chmod(0o755)
-    settings = {"shared_dir": str(shared), "agent_host": "127.0.0.1", "time_limit_minutes": 10,
+    settings = {"shared_dir": str(shared), "image_dirs": [str(shared)], "registries": ["127.0.0.1", "localhost"],
+                "agent_host": "127.0.0.1", "time_limit_minutes": 10,
                 "min_remaining_minutes": 0, "job_name": f"orchard-test-{os.getpid()}-{time.monotonic_ns() % 10**6}"}
     return {**settings, **overrides}
 

@@ -34,6 +34,11 @@ HOST_ETC_ALLOWLIST = (
     "python3.11", "services", "skel", "ssl", "terminfo", "timezone", "xdg",
 )
 SANDBOX_HOME = "/home/user"
+# Host-global /proc entries hidden inside sandboxes, as container runtimes mask them
+# (an empty file or directory on top); /proc/sys is read-only.
+MASKED_PROC_FILES = ("kcore", "kallsyms", "keys", "latency_stats", "sched_debug", "sysrq-trigger", "timer_list",
+                     "timer_stats", "kpagecount", "kpageflags", "kpagecgroup", "config.gz")
+MASKED_PROC_DIRS = ("acpi", "asound", "scsi", "firmware", "driver")
 
 
 def build_host_etc(target: Path, generated: dict[str, str]) -> None:
@@ -73,11 +78,10 @@ class BwrapRuntime(IsolationRuntime):
     async def start(self, sandbox: SandboxState) -> None:
         settings = self.context.settings
         image = await self.context.images.resolve(sandbox.spec.image)
-        privileged = os.geteuid() == 0
-        owner = (settings.host_uid, settings.host_gid) if privileged else None
+        owner = sandbox.host_ids  # its own host ids under a root agent, else None (we are who we are)
         spec = sandbox.spec
         disk = optional_bytes(spec.disk or settings.default_disk)
-        placement = Placement(root="", uid=settings.sandbox_uid, gid=settings.sandbox_gid, file_owner=owner)
+        placement = Placement(root="", uid=settings.sandbox_uid, gid=settings.sandbox_gid)
         sandbox.placement = placement  # attached first, so a failure below still gets cleaned up
         if image.kind == "host":
             args = self._host_image_args(disk)
@@ -115,15 +119,28 @@ class BwrapRuntime(IsolationRuntime):
             args += ["--ro-bind-try", path, path]
         args += ["--ro-bind", str(self.context.settings.share_dir / "etc"), "/etc"]  # one mount, built at start
         args += ["--dir", "/workspace", "--dir", SANDBOX_HOME, "--perms", "01777", "--dir", "/tmp",
-                 "--perms", "01777", "--dir", "/var/tmp", "--proc", "/proc", "--dev", "/dev"]
+                 "--perms", "01777", "--dir", "/var/tmp", *self._proc_args(), "--dev", "/dev"]
+        return args
+
+    def _proc_args(self) -> list[str]:
+        """A fresh /proc with /proc/sys read-only and the host-global entries masked."""
+        empty = str(self.context.settings.share_dir / "empty")
+        args = ["--proc", "/proc", "--ro-bind", "/proc/sys", "/proc/sys"]
+        for name in MASKED_PROC_FILES:
+            if os.path.exists(f"/proc/{name}"):  # the sandbox's /proc is this kernel's: same entries
+                args += ["--ro-bind", empty, f"/proc/{name}"]
+        for name in MASKED_PROC_DIRS:
+            if os.path.isdir(f"/proc/{name}"):
+                args += ["--tmpfs", f"/proc/{name}", "--remount-ro", f"/proc/{name}"]
         return args
 
     def _rootfs_args(self, sandbox: SandboxState, image: ResolvedImage, disk: Optional[int],
                      owner: Optional[tuple[int, int]], placement: Placement) -> list[str]:
-        root = writable_root(sandbox, image, disk, owner, placement)
+        settings = self.context.settings
+        root = writable_root(sandbox, image, disk, owner, placement, (settings.host_uid, settings.host_gid))
         placement.env = {"HOME": "/root", **image.env}
         placement.default_cwd = image_workdir(image, root)
-        return ["--bind", str(root), "/", "--proc", "/proc", "--dev", "/dev",
+        return ["--bind", str(root), "/", *self._proc_args(), "--dev", "/dev",
                 "--ro-bind", str(self.context.settings.share_dir / "hosts"), "/etc/hosts"]
 
     async def _spawn_holder(self, sandbox: SandboxState, args: list[str], owner: Optional[tuple[int, int]]) -> None:

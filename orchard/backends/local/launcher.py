@@ -61,6 +61,29 @@ def running_agent(settings: AgentSettings) -> Optional[dict]:
     return None
 
 
+def running_agents() -> list[dict]:
+    """Every local agent running on this machine (found by its command line), with its
+    ``agent.json`` and state directory: what `orchard agent status` lists."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"orchard.agent" not in argv or b"--settings-json" not in argv:
+            continue
+        try:
+            state_dir = json.loads(argv[argv.index(b"--settings-json") + 1])["state_dir"]
+            info = running_agent(AgentSettings(state_dir=state_dir))
+        except (IndexError, KeyError, ValueError):
+            continue
+        if info is not None and int(info["pid"]) == int(entry.name):
+            found.append({**info, "state_dir": state_dir})
+    return found
+
+
 def ensure_agent(settings: AgentSettings) -> AgentEndpoint:
     """The endpoint of this state directory's agent, starting it if none is running."""
     settings.make_dirs()
@@ -103,6 +126,10 @@ def _start(settings: AgentSettings) -> dict:
     while time.monotonic() < deadline:
         if process.poll() is not None:
             tail = log_path.read_text(errors="replace").strip().splitlines()[-15:]
+            typed = [line for line in tail if line.startswith("orchard.errors.")]
+            if typed:  # our own typed error says it all; the traceback stays in the log
+                raise BackendUnavailable(f"the local exec agent failed to start: {typed[-1].split(': ', 1)[-1]} "
+                                         f"(log: {log_path})")
             raise BackendUnavailable("the local exec agent failed to start:\n" + "\n".join(tail))
         info = running_agent(settings)
         if info is not None:

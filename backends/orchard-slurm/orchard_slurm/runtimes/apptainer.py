@@ -26,6 +26,7 @@ import sys
 from pathlib import Path
 from typing import Optional
 
+from orchard.agent.inroot import exists_in_root
 from orchard.agent.reaper import run_tool
 from orchard.agent.runtimes.api import DEFAULT_PATH, IsolationRuntime
 from orchard.agent.runtimes.holder import launcher_prefix
@@ -137,7 +138,7 @@ class ApptainerRuntime(IsolationRuntime):
             placement.target_pid = pid
             placement.uid, placement.gid = owner or (os.getuid(), os.getgid())
         sandbox.holder_exit = process_exit(pid)
-        placement.shell = "bash" if os.path.exists(f"{placement.root}/bin/bash") else "sh"
+        placement.shell = "bash" if exists_in_root(placement.root, "/bin/bash") else "sh"  # never a host path
 
     def command(self, sandbox: SandboxState, argv: list[str], cwd: str, job_cgroup: Optional[Path] = None) -> list[str]:
         placement = sandbox.placement

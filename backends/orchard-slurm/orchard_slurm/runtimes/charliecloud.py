@@ -73,12 +73,12 @@ class CharliecloudRuntime(IsolationRuntime):
         if image.kind == "host":
             raise InvalidRequest("the charliecloud runtime runs directory images: ask for a docker:// reference or "
                                  "an image directory, not 'host'")
-        owner = (settings.host_uid, settings.host_gid) if os.geteuid() == 0 else None
+        owner = sandbox.host_ids  # its own host ids under a root agent
         ids = owner or (os.getuid(), os.getgid())
-        placement = Placement(root="", uid=ids[0], gid=ids[1], file_owner=owner)  # ch-run maps our uid to itself
+        placement = Placement(root="", uid=ids[0], gid=ids[1])  # ch-run maps our uid to itself
         sandbox.placement = placement  # attached first, so a failure below still gets cleaned up
         root = writable_root(sandbox, image, optional_bytes(spec.disk or settings.default_disk),
-                             owner, placement)
+                             owner, placement, (settings.host_uid, settings.host_gid))
         ensure_paths(root, CH_RUN_DIRS, (*CH_RUN_FILES, HOLD_PATH.lstrip("/")))  # ch-run's bind targets
         if (root / "root").is_dir():
             os.chown(root / "root", *ids)  # HOME, writable by the sandbox user (a copy-up in the overlay)

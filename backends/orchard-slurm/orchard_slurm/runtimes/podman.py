@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from orchard.agent.inroot import exists_in_root
 from orchard.agent.reaper import run_tool
 from orchard.agent.runtimes.api import DEFAULT_PATH, IsolationRuntime
 from orchard.agent.sandbox import Placement, SandboxState
@@ -162,7 +163,7 @@ class PodmanRuntime(IsolationRuntime):
         settings, spec = self.context.settings, sandbox.spec
         image = await self._image(spec.image)
         idmap = (settings.host_uid, settings.host_gid) if os.geteuid() == 0 else None
-        placement = Placement(root="", uid=0, gid=0, file_owner=idmap,
+        placement = Placement(root="", uid=0, gid=0,
                               env={"PATH": DEFAULT_PATH, "HOME": "/root", **spec.env}, default_cwd="/")
         sandbox.placement = placement
         name = container_name(sandbox.sandbox_id)
@@ -178,8 +179,8 @@ class PodmanRuntime(IsolationRuntime):
         await holder_running(pid, name)
         placement.holder_pid = placement.target_pid = pid
         placement.root = f"/proc/{pid}/root"
-        placement.shell = "bash" if os.path.exists(f"{placement.root}/bin/bash") else "sh"
-        if os.path.isdir(f"{placement.root}/workspace"):
+        placement.shell = "bash" if exists_in_root(placement.root, "/bin/bash") else "sh"  # never a host path
+        if exists_in_root(placement.root, "/workspace", directory=True):
             placement.default_cwd = "/workspace"
         self._cgroups[sandbox.sandbox_id] = cgroup_procs_files(pid)
         sandbox.holder_exit = process_exit(pid)

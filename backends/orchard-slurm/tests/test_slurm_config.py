@@ -1,0 +1,32 @@
+"""Settings that cannot work are refused when the service starts, naming the fix."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from orchard_slurm.config import SlurmConfig
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="only root services map sandboxes to another uid")
+def test_a_shared_dir_below_a_private_directory_is_refused():
+    private = Path(tempfile.mkdtemp(prefix="orchard-private-", dir="/tmp"))  # 0700, as mktemp -d makes it
+    try:
+        with pytest.raises(ValidationError, match=f"below {private} \\(mode 0700\\).*chmod o\\+x {private}"):
+            SlurmConfig(shared_dir=private / "orchard")
+        private.chmod(0o711)
+        assert SlurmConfig(shared_dir=private / "orchard").shared_dir == private / "orchard"
+    finally:
+        shutil.rmtree(private)
+
+
+def test_directory_images_come_from_configured_directories_only(tmp_path):
+    config = SlurmConfig(shared_dir=Path("/tmp/orchard-shared"), image_dirs=[Path("/srv/images")])
+    policy = config.image_policy()
+    assert policy["image_dirs"] == ["/tmp/orchard-shared/images", "/srv/images"]
+    assert policy["protected_dirs"] == ["/tmp/orchard-shared/pilots"]

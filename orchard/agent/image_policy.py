@@ -1,0 +1,75 @@
+"""The built-in image policy (an ``orchard_verify_image`` implementation like any plugin's).
+
+An image decides what a sandbox sees, and a directory image is copied by the agent with
+its own privileges, so images come only from places the operator named:
+- directory images from the configured image directories (default: ``STATE/rootfs``),
+  never from inside the agent's state directory (its token, other sandboxes' layers);
+- ``docker://`` images from the allowed registries (a host, or host:port; a host alone
+  allows any port), so a caller cannot make the agent probe internal addresses.
+Other plugins may refuse more; any refusal wins.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Optional
+
+from orchard.hookspecs import hookimpl
+
+DEFAULT_REGISTRIES = ("docker.io", "ghcr.io", "quay.io", "registry.k8s.io", "gcr.io", "nvcr.io", "public.ecr.aws",
+                      "mcr.microsoft.com", "registry.gitlab.com")
+ANY_REGISTRY = "*"
+
+
+def registry_of(reference: str) -> str:
+    """The registry host[:port] of ``docker://REF``, as Docker reads it (docker.io when
+    the first component names no host)."""
+    name = reference.removeprefix("docker://").split("@", 1)[0]
+    first, _, rest = name.partition("/")
+    if rest and ("." in first or ":" in first or first == "localhost"):
+        return first.lower()
+    return "docker.io"
+
+
+def registry_allowed(registry: str, allowed: list[str]) -> bool:
+    host = registry.rsplit(":", 1)[0] if registry.count(":") == 1 else registry
+    for entry in allowed:
+        entry = entry.lower()
+        if entry == ANY_REGISTRY or entry == registry or (":" not in entry and entry == host):
+            return True
+    return registry == "docker.io" and "registry-1.docker.io" in allowed
+
+
+def _inside(path: str, directory: str) -> bool:
+    return os.path.commonpath([path, directory]) == directory
+
+
+def directory_refusal(image: str, image_dirs: list[str], protected: list[str]) -> Optional[str]:
+    path = image.removeprefix("dir://")
+    if not os.path.isabs(path):
+        return None  # the image store explains relative paths
+    real = os.path.realpath(path)
+    for directory in protected:
+        guarded = os.path.realpath(directory)
+        if _inside(real, guarded) or _inside(guarded, real):
+            return "directory images may not include the agent's or server's state"
+    allowed = [os.path.realpath(d) for d in image_dirs]
+    if not any(_inside(real, directory) for directory in allowed):
+        where = ", ".join(allowed) or "(none configured)"
+        return f"directory images must lie in the configured image directories: {where} (setting image_dirs)"
+    return None
+
+
+@hookimpl
+def orchard_verify_image(image: str, policy: dict[str, Any]) -> Optional[str]:
+    if image == "host":
+        return None
+    if image.startswith("docker://"):
+        registry = registry_of(image)
+        allowed = list(policy.get("registries", DEFAULT_REGISTRIES))
+        if not registry_allowed(registry, allowed):
+            return f"registry {registry!r} is not in the allowed registries (setting registries)"
+        return None
+    if "://" in image and not image.startswith("dir://"):
+        return None  # other schemes (oras://, library://) are the runtimes' to accept or refuse
+    return directory_refusal(image, list(policy.get("image_dirs", [])), list(policy.get("protected_dirs", [])))

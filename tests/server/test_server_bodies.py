@@ -1,0 +1,75 @@
+"""Bodies through the server: files stream end to end, oversized requests get 413."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from orchard.errors import PayloadTooLarge
+
+MiB = 1 << 20
+
+
+def peak_rss(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise LookupError(pid)
+
+
+def reset_peak(pid: int) -> None:
+    Path(f"/proc/{pid}/clear_refs").write_text("5")  # VmHWM back to the current RSS
+
+
+def test_raw_files_stream_through_the_server_without_holding_them(server_factory):
+    server = server_factory()
+    payload = bytes(range(256)) * (1 << 20)  # 256 MiB
+    with server.client() as client, client.create("host") as sandbox:
+        server_pid = server.process.pid
+        reset_peak(server_pid)
+        before = peak_rss(server_pid)
+        assert sandbox.upload("/tmp/big.bin", payload) == len(payload)
+        assert sandbox.exec("stat -c %s /tmp/big.bin").stdout.strip() == str(len(payload))
+        with server.http() as http, http.stream("GET", f"/sandboxes/{sandbox.id}/files/raw",
+                                                params={"path": "/tmp/big.bin"}) as response:
+            received = 0
+            for chunk in response.iter_bytes():
+                received += len(chunk)
+        assert received == len(payload)
+        grew = peak_rss(server_pid) - before
+        assert grew < 64 * MiB, f"the server held {grew / MiB:.0f} MiB for a 256 MiB file"
+
+
+def test_oversized_json_bodies_get_413_naming_the_limit(server_factory):
+    server = server_factory(max_body_bytes=2 * MiB)
+    with server.client() as client, client.create("host") as sandbox:
+        with server.http() as http:
+            response = http.post(f"/sandboxes/{sandbox.id}/exec", json={"command": "x" * (3 * MiB)})
+            assert response.status_code == 413
+            assert response.json()["error"]["type"] == "PayloadTooLarge"
+            assert "2097152" in response.json()["error"]["message"]
+
+            def chunked():  # no Content-Length: counted as it arrives
+                yield b'{"command": "'
+                for _ in range(3):
+                    yield b"y" * MiB
+                yield b'"}'
+
+            response = http.post(f"/sandboxes/{sandbox.id}/exec", content=chunked(),
+                                 headers={"content-type": "application/json"})
+            assert response.status_code == 413
+        with pytest.raises(PayloadTooLarge):
+            sandbox.exec("echo " + "z" * (3 * MiB))
+        assert sandbox.exec("echo fine").stdout == "fine\n"  # nothing else broke
+
+
+def test_raw_upload_limit_is_configurable(server_factory):
+    server = server_factory(max_upload_bytes=1 * MiB)
+    with server.client() as client, client.create("host") as sandbox:
+        with pytest.raises(PayloadTooLarge):
+            sandbox.upload("big.bin", b"\0" * (2 * MiB))
+        with server.http() as http:
+            response = http.put(f"/sandboxes/{sandbox.id}/files/raw", params={"path": "small.bin"}, content=b"ok")
+            assert response.status_code == 200
+        assert sandbox.download("small.bin") == b"ok"
