@@ -77,7 +77,8 @@ def create_app(service: AgentService, token: Optional[str]) -> FastAPI:
 
     @app.get("/health")
     async def health() -> dict:
-        return {"status": "ok", "runtime": service.settings.runtime, "sandboxes": len(service.sandboxes)}
+        """Liveness only: it needs no key, so it tells nothing (counts are in /resources)."""
+        return {"status": "ok"}
 
     add_sandbox_routes(app, service)
     return app

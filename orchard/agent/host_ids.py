@@ -49,6 +49,10 @@ class HostIdPool:
                 return self.base_uid + offset, self.base_gid + offset
         return None
 
+    def claim(self, ids: tuple[int, int]) -> None:
+        """Mark ``ids`` taken (found in use, e.g. by a job a previous service started)."""
+        self._used.add(ids[0] - self.base_uid)
+
     def release(self, ids: tuple[int, int]) -> None:
         self._used.discard(ids[0] - self.base_uid)
 

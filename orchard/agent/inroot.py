@@ -1,9 +1,11 @@
-"""Metadata lookups of paths inside a sandbox's root, from the agent.
+"""Paths inside a sandbox's root, resolved as the sandbox would resolve them, from the agent.
 
-Only ``O_PATH`` opens: they resolve a path (``openat2(RESOLVE_IN_ROOT)``, so ``..`` and
-symlinks planted in the sandbox stay inside it) without opening, reading or writing
-anything, so no file's own code runs. Anything that touches content is a file call and
-runs inside the sandbox (:mod:`orchard.agent.files`).
+Every path is resolved with ``openat2(RESOLVE_IN_ROOT)``, so ``..`` and symlinks an image
+or a sandbox planted stay inside the root (an image whose ``/root`` links to ``/etc``
+means the image's ``/etc``, never the host's). Lookups only ``O_PATH``-open, so no file's
+own code runs. The preparation helpers (``make_dirs``, ``make_file``, ``chown``) are for
+trees no sandbox runs in yet (a fresh writable layer before its container starts); a
+sandbox's own file calls run inside it (:mod:`orchard.agent.files`).
 """
 
 from __future__ import annotations
@@ -43,3 +45,46 @@ def exists_in_root(root: str, path: str, directory: bool = False) -> bool:
         return True
     except OSError:
         return False
+
+
+def _parent(root: str, path: str) -> tuple[int, str]:
+    """(O_PATH fd of the parent directory resolved in root, the last component)."""
+    parent, _, name = path.strip("/").rpartition("/")
+    if not name or name in (".", ".."):
+        raise OSError(22, "not a plain name", path)
+    return _lookup(root, "/" + parent, os.O_DIRECTORY), name
+
+
+def make_dirs(root: str, path: str, mode: int = 0o755) -> None:
+    """``mkdir -p`` of ``path`` inside ``root``; an existing entry (even a symlink) is kept."""
+    parts = [part for part in path.strip("/").split("/") if part]
+    for depth in range(1, len(parts) + 1):
+        parent_fd, name = _parent(root, "/".join(parts[:depth]))
+        try:
+            os.mkdir(name, mode, dir_fd=parent_fd)
+        except FileExistsError:
+            pass
+        finally:
+            os.close(parent_fd)
+
+
+def make_file(root: str, path: str) -> None:
+    """An empty file at ``path`` inside ``root`` unless something (even a symlink) is there."""
+    parent_fd, name = _parent(root, path)
+    try:
+        fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+                     0o644, dir_fd=parent_fd)
+        os.close(fd)
+    except FileExistsError:
+        pass
+    finally:
+        os.close(parent_fd)
+
+
+def chown(root: str, path: str, ids: tuple[int, int]) -> None:
+    """Give ``path`` (resolved inside ``root``) to ``ids``."""
+    fd = _lookup(root, path, 0)
+    try:
+        os.chown(f"/proc/self/fd/{fd}", *ids)  # the exact inode the in-root lookup found
+    finally:
+        os.close(fd)

@@ -40,23 +40,26 @@ def load_or_create_token(settings: AgentSettings) -> str:
 
 
 def serve(settings: AgentSettings, uds: Optional[Path] = None, host: str = "127.0.0.1", port: int = 0,
-          log_level: str = "warning", graceful_shutdown_seconds: Optional[float] = None) -> None:
+          log_level: str = "warning", graceful_shutdown_seconds: Optional[float] = None,
+          fd: Optional[int] = None) -> None:
     """Run the agent until SIGTERM/SIGINT; on the way out it deletes its sandboxes
-    (waiting at most ``graceful_shutdown_seconds`` for requests in flight)."""
+    (waiting at most ``graceful_shutdown_seconds`` for requests in flight). ``fd``: a
+    listening socket handed over by whoever started us (a per-job Slurm job), so no socket
+    path exists where the sandbox could replace it."""
     settings.make_dirs()
     token = load_or_create_token(settings)
     service = AgentService(settings)
     app = create_app(service, token)
-    if uds is None and port == 0:
+    if uds is None and port == 0 and fd is None:
         uds = settings.agent_dir / "agent.sock"
     if uds is not None and uds.exists():
         uds.unlink()
     # loop="asyncio": uvloop reserves SIGCHLD, which the reaper needs.
     config = uvicorn.Config(app, uds=str(uds) if uds else None, host=host, port=port, log_level=log_level,
                             access_log=False, lifespan="on", loop="asyncio", timeout_keep_alive=60, backlog=4096,
-                            timeout_graceful_shutdown=graceful_shutdown_seconds)
+                            timeout_graceful_shutdown=graceful_shutdown_seconds, fd=fd)
     server = uvicorn.Server(config)
-    address = f"unix://{uds}" if uds else f"http://{host}:{port}"
+    address = f"fd://{fd}" if fd is not None else f"unix://{uds}" if uds else f"http://{host}:{port}"
     info_path = settings.agent_dir / "agent.json"
 
     original_startup = server.startup
@@ -83,6 +86,7 @@ def main() -> None:
     parser.add_argument("--uds", type=Path)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--fd", type=int, help="serve on this inherited listening socket")
     parser.add_argument("--settings-json", help="AgentSettings as JSON")
     parser.add_argument("--log-level", default="warning")
     parser.add_argument("--restore-env", action="append", default=[], metavar="NAME[=VALUE]",
@@ -96,7 +100,7 @@ def main() -> None:
     if args.runtime:
         data["runtime"] = args.runtime
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    serve(AgentSettings(**data), uds=args.uds, host=args.host, port=args.port, log_level=args.log_level)
+    serve(AgentSettings(**data), uds=args.uds, host=args.host, port=args.port, log_level=args.log_level, fd=args.fd)
 
 
 if __name__ == "__main__":

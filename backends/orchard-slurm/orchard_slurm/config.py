@@ -11,7 +11,8 @@ from pydantic import Field, model_validator
 from orchard.backends.api import BackendConfig
 from orchard.agent.image_policy import DEFAULT_REGISTRIES
 from orchard.agent.reachable import unreachable_reason
-from orchard.agent.settings import AgentSettings, default_state_dir
+from orchard.agent.host_ids import clashing_accounts
+from orchard.agent.settings import default_state_dir
 
 
 PER_JOB_CONTAINERS = ("bwrap", "charliecloud", "apptainer")
@@ -34,6 +35,12 @@ class SlurmConfig(BackendConfig):
                                   description="registries docker:// images may come from (host or host:port; '*': any)")
     image_dirs: list[Path] = Field(default_factory=list, description="directories that directory images may come "
                                                                     "from (besides shared_dir/images)")
+    host_uid: int = Field(100000, gt=0, description="first host uid/gid of this service's sandboxes (root jobs): "
+                                                    "each sandbox gets its own; give every service on a cluster "
+                                                    "its own range")
+    host_gid: int = Field(100000, gt=0)
+    host_id_count: int = Field(65536, ge=1, description="how many ids from host_uid/host_gid; none may belong to "
+                                                        "an account (checked here and on each node)")
     partition: Optional[str] = None
     account: Optional[str] = None
     qos: Optional[str] = None
@@ -61,6 +68,11 @@ class SlurmConfig(BackendConfig):
                                                        "naming the shared directory, how orphans are found")
     slurm_poll_seconds: float = Field(2.0, gt=0, description="how stale a pilot's Slurm state may be")
 
+    @property
+    def host_id_block(self) -> int:
+        """Ids each job gets: one per sandbox of a pilot; one for a per-job sandbox."""
+        return 1 if self.mode == "per-job" else self.sandboxes_per_pilot
+
     def image_policy(self) -> dict[str, Any]:
         """The image policy of this backend's agents (see orchard.agent.image_policy)."""
         return {"registries": self.registries, "insecure_registries": self.insecure_registries,
@@ -70,10 +82,16 @@ class SlurmConfig(BackendConfig):
     @model_validator(mode="after")
     def _known_runtime(self) -> "SlurmConfig":
         if os.geteuid() == 0 and (self.mode == "per-job" or self.runtime != "direct"):
-            sandbox_ids = AgentSettings.model_fields["host_uid"].default, AgentSettings.model_fields["host_gid"].default
-            reason = unreachable_reason(self.shared_dir, *sandbox_ids, setting="shared_dir")
+            reason = unreachable_reason(self.shared_dir, self.host_uid, self.host_gid, setting="shared_dir")
             if reason:
                 raise ValueError(reason)
+            clashes = clashing_accounts(self.host_uid, self.host_gid, self.host_id_count)
+            if clashes:
+                raise ValueError(f"host_uid: the sandboxes' ids {self.host_uid}..{self.host_uid + self.host_id_count - 1}"
+                                 f" include {', '.join(clashes[:5])}; choose a range no account uses")
+        if self.mode == "pilot" and self.host_id_count < self.sandboxes_per_pilot:
+            raise ValueError(f"host_id_count ({self.host_id_count}) is less than sandboxes_per_pilot "
+                             f"({self.sandboxes_per_pilot}): every sandbox of a pilot needs its own id")
         if self.min_pilots > self.max_pilots:
             raise ValueError(f"min_pilots ({self.min_pilots}) is more than max_pilots ({self.max_pilots})")
         if self.mode == "per-job":

@@ -1,11 +1,12 @@
 """What runs inside a per-job Slurm job: one sandbox, which is one container with the
 exec agent inside it (from the agent bundle, bound read-only at /opt/orchard).
 
-For sites that want Slurm to account every sandbox. The agent listens on a Unix socket
-in a host directory bound into the container, so the container can have a network
-namespace with no interfaces at all when the sandbox blocks its network; this job
-relays TCP on the compute node to that socket and reports the address and a token in
-its folder, as a pilot does. The container's root is a fresh overlay over the image when
+For sites that want Slurm to account every sandbox. The agent serves on a Unix socket
+that this job creates outside the container and hands in as an inherited descriptor, so
+the container can have a network namespace with no interfaces at all when the sandbox
+blocks its network, and no socket path exists that the sandbox could replace; this job
+relays TCP on the compute node to that socket (checking each caller's key first, see
+relay.py) and reports the address and a token in its folder, as a pilot does. The container's root is a fresh overlay over the image when
 the job runs as root; an unprivileged job runs the image read-only with a private /tmp
 (bubblewrap and Charliecloud 0.31 have no unprivileged writable layer here; Apptainer's
 ``--writable-tmpfs`` gives one anywhere).
@@ -24,6 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from orchard.agent import inroot
+from orchard.agent.host_ids import clashing_accounts
 from orchard.agent.images import ImageStore, ResolvedImage
 from orchard.agent.reaper import ChildReaper
 from orchard.agent.runtimes.api import DEFAULT_PATH
@@ -31,13 +34,14 @@ from orchard.agent.runtimes.layers import ensure_paths, overlay_root
 from orchard.agent.runtimes.mounts import unmount
 from orchard.errors import OrchardError
 from orchard_slurm.pilot import write_stop_record
+from orchard_slurm.relay import Relay, listening_socket
 from orchard_slurm.runtimes.apptainer import pilot_has_gpus
 from orchard_slurm.runtimes.charliecloud import CH_RUN_DIRS, CH_RUN_FILES
 
-AGENT = ["/opt/orchard/bin/orchard-agent", "--runtime", "direct", "--state-dir", "/orchard-run/state",
-         "--uds", "/orchard-run/agent.sock"]
-UNPRIVILEGED = (100000, 100000)  # whom a root job runs the container as
-CONTAINER_DIRS = ("opt/orchard", "orchard-run", "root", *CH_RUN_DIRS)  # bind targets of the three tools
+AGENT_FD = 3  # the listening socket the job hands to the agent (see relay.py)
+AGENT = ["/opt/orchard/bin/orchard-agent", "--runtime", "direct", "--state-dir", "/tmp/.orchard-agent",
+         "--fd", str(AGENT_FD)]
+CONTAINER_DIRS = ("opt/orchard", "root", *CH_RUN_DIRS)  # bind targets of the three tools
 
 
 @dataclass
@@ -53,16 +57,18 @@ class SandboxJob:
     host: Optional[str] = None
     image_cache: Optional[str] = None  # where docker:// images are unpacked (shared between jobs)
     image_policy: dict = field(default_factory=dict)  # SlurmConfig.image_policy()
+    host_ids: tuple[int, int] = (100000, 100000)  # whom a root job runs the container as: this sandbox's own
+    image_owner: tuple[int, int] = (100000, 100000)  # whom shared unpacked images belong to (the first ids)
 
 
-def container_argv(job: SandboxJob, root: Path, run_dir: Path, writable: bool) -> list[str]:
-    """The command that starts the container with the agent as its main process."""
-    binds = {job.bundle: "/opt/orchard", str(run_dir): "/orchard-run"}
+def container_argv(job: SandboxJob, root: Path, writable: bool) -> list[str]:
+    """The command that starts the container with the agent as its main process. Only the
+    agent bundle is bound in (read-only); the agent's socket arrives as an inherited fd."""
+    binds = {job.bundle: "/opt/orchard"}
     if job.runtime == "bwrap":
         argv = ["bwrap", "--unshare-user", "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--die-with-parent",
                 "--hostname", job.sandbox_id[:63], "--bind" if writable else "--ro-bind", str(root), "/",
-                "--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", "--ro-bind", job.bundle, "/opt/orchard",
-                "--bind", str(run_dir), "/orchard-run"]
+                "--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", "--ro-bind", job.bundle, "/opt/orchard"]
         return argv + (["--unshare-net"] if job.block_network else []) + ["--", *AGENT]
     if job.runtime == "charliecloud":
         argv = ["unshare", "--user", "--map-current-user", "--pid", "--mount-proc", "--ipc", "--uts", "--fork",
@@ -92,7 +98,7 @@ async def resolve_image(job: SandboxJob, reaper: ChildReaper) -> ResolvedImage:
         return ResolvedImage(reference=job.image, kind="rootfs", rootfs=Path(job.image))
     cache = Path(job.image_cache or Path(job.job_dir).parent.parent / "image-cache")
     cache.mkdir(parents=True, exist_ok=True)
-    store = ImageStore(cache, UNPRIVILEGED if os.geteuid() == 0 else None, job.image_policy, reaper)
+    store = ImageStore(cache, job.image_owner if os.geteuid() == 0 else None, job.image_policy, reaper)
     return await store.resolve(job.image)
 
 
@@ -109,34 +115,24 @@ def prepare_root(job: SandboxJob, image: ResolvedImage, work: Path) -> tuple[Pat
             ensure_paths(image.rootfs, CONTAINER_DIRS, CH_RUN_FILES)
         return image.rootfs, False, []
     mounts: list[Path] = []
-    root = overlay_root(image.rootfs, work, UNPRIVILEGED, None, mounts)
+    root = overlay_root(image.rootfs, work, job.host_ids, None, mounts, job.image_owner)
     ensure_paths(root, CONTAINER_DIRS, CH_RUN_FILES)
-    os.chown(root / "root", *UNPRIVILEGED)
+    inroot.chown(str(root), "/root", job.host_ids)  # the image's /root, even if it is a symlink
     return root, True, mounts
 
 
-async def relay(listen_host: str, socket_path: Path) -> asyncio.AbstractServer:
-    """TCP on the compute node -> the agent's Unix socket inside the container."""
-
-    async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+async def agent_ready(relay: Relay, exited: "asyncio.Future[int]", job_dir: Path) -> None:
+    """Until the agent answers its health route (its socket accepts from the start)."""
+    while True:
+        if exited.done():
+            raise RuntimeError(f"the container exited ({exited.result()}): "
+                               f"{(job_dir / 'container.log').read_text(errors='replace')[-2000:]}")
         try:
-            while data := await reader.read(1 << 16):
-                writer.write(data)
-                await writer.drain()
-        except (ConnectionError, OSError):
+            if (await asyncio.wait_for(relay.agent_request("GET", "/health"), 2))[0] == 200:
+                return
+        except (OSError, asyncio.TimeoutError):
             pass
-        finally:
-            writer.close()
-
-    async def connect(client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter) -> None:
-        try:
-            agent_reader, agent_writer = await asyncio.open_unix_connection(str(socket_path))
-        except OSError:
-            client_writer.close()
-            return
-        await asyncio.gather(pipe(client_reader, agent_writer), pipe(agent_reader, client_writer))
-
-    return await asyncio.start_server(connect, listen_host, 0)
+        await asyncio.sleep(0.05)
 
 
 def run_sandbox_job(job: SandboxJob) -> None:
@@ -146,8 +142,13 @@ def run_sandbox_job(job: SandboxJob) -> None:
 async def _run(job: SandboxJob) -> None:
     job_dir = Path(job.job_dir)
     agent_dir, work = job_dir / "agent", job_dir / "container"
-    run_dir = work / "run"
-    run_dir.mkdir(parents=True)
+    work.mkdir(mode=0o700, parents=True)  # private to the sandbox's uid (and root): uploads land below
+    if os.geteuid() == 0:
+        clashes = clashing_accounts(*job.host_ids, 1)
+        if clashes:  # a real account would own the sandbox's processes and files on this node
+            raise RuntimeError(f"sandbox host id {job.host_ids[0]} belongs to {', '.join(clashes)} on "
+                               f"{socket.gethostname()}: choose host_uid/host_id_count outside every account's ids")
+        os.chown(work, *job.host_ids)
     agent_dir.mkdir(exist_ok=True)
     loop = asyncio.get_running_loop()
     reaper = ChildReaper()  # the image store's tools and the container, each waited for once
@@ -166,34 +167,34 @@ async def _run(job: SandboxJob) -> None:
         token = secrets.token_urlsafe(32)
         prefix: list[str] = []
         if os.geteuid() == 0:  # never run the container as real root
-            os.chown(run_dir, *UNPRIVILEGED)
-            prefix = [str(Path(job.bundle) / "bin" / "orchard-enter"), "--uid", str(UNPRIVILEGED[0]),
-                      "--gid", str(UNPRIVILEGED[1]), "--"]
+            prefix = [str(Path(job.bundle) / "bin" / "orchard-enter"), "--uid", str(job.host_ids[0]),
+                      "--gid", str(job.host_ids[1]), "--"]
         env = {"PATH": DEFAULT_PATH, "HOME": "/root", "USER": "orchard", **image.env,
                "ORCHARD_AGENT_TOKEN": token}
         if image.workdir:
             env["ORCHARD_WORKDIR"] = image.workdir  # the direct runtime's default cwd
         if job.runtime == "apptainer":  # --containall starts from a clean environment
             env.update({f"APPTAINERENV_{key}": value for key, value in env.items() if key.startswith("ORCHARD_")})
-        argv = [*prefix, *container_argv(job, root, run_dir, writable)]
+        argv = [*prefix, *container_argv(job, root, writable)]
         executable = shutil.which(argv[0], path=DEFAULT_PATH + ":" + os.environ.get("PATH", "")) or argv[0]
-        container = os.posix_spawn(executable, argv, {**os.environ, **env} if job.runtime == "apptainer" else env,
-                                   file_actions=[(os.POSIX_SPAWN_OPEN, 0, "/dev/null", os.O_RDONLY, 0),
-                                                 (os.POSIX_SPAWN_DUP2, log_fd, 1), (os.POSIX_SPAWN_DUP2, log_fd, 2)],
-                                   setsid=True)
+        listener = listening_socket(job_dir / "relay")  # a directory the container never sees
+        try:
+            container = os.posix_spawn(executable, argv, {**os.environ, **env} if job.runtime == "apptainer" else env,
+                                       file_actions=[(os.POSIX_SPAWN_OPEN, 0, "/dev/null", os.O_RDONLY, 0),
+                                                     (os.POSIX_SPAWN_DUP2, log_fd, 1), (os.POSIX_SPAWN_DUP2, log_fd, 2),
+                                                     (os.POSIX_SPAWN_DUP2, listener.fileno(), AGENT_FD)],
+                                       setsid=True)
+        finally:
+            listener.close()  # the agent holds it now
         exited = reaper.wait(container)
         stopping = asyncio.Event()
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, stopping.set)
         loop.add_signal_handler(signal.SIGUSR2, lambda: (write_stop_record(job_dir, signal.SIGUSR2), stopping.set()))
-        socket_path = run_dir / "agent.sock"
-        while not socket_path.exists():
-            if exited.done():
-                raise RuntimeError(f"the container exited ({exited.result()}): "
-                                   f"{(job_dir / 'container.log').read_text(errors='replace')[-2000:]}")
-            await asyncio.sleep(0.02)
+        relay = Relay(job_dir / "relay" / "agent.sock", token, job.sandbox_id)
+        await agent_ready(relay, exited, job_dir)
         host = job.host or socket.gethostname()
-        server = await relay(host, socket_path)
+        server = await relay.start(host)
         port = server.sockets[0].getsockname()[1]
         token_path = agent_dir / "token"
         token_path.touch(mode=0o600)

@@ -80,7 +80,7 @@ def scenario_commands(apptainer: RecordingApptainer, tmp_path: Path) -> dict[str
 
     job = SandboxJob("/shared/pilots/pilot-1", "sbx-3", "/images/swe.sif", "apptainer", True, "/shared/agent-bundle")
     recorded["per-job container: the bundled agent inside, network blocked"] = [
-        container_argv(job, Path(job.image), Path("/shared/pilots/pilot-1/container/run"), True)]
+        container_argv(job, Path(job.image), True)]
     return recorded
 
 

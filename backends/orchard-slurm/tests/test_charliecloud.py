@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from orchard.bench.measure import count_processes
-from orchard.errors import InvalidRequest
+from orchard.errors import InvalidRequest, OrchardError
 from orchard_slurm.runtimes.charliecloud import CharliecloudRuntime
 from slurm_testing import require, slurm_client, slurm_settings
 from tests.images import busybox_rootfs
@@ -73,3 +73,23 @@ def test_sandboxes_do_not_see_each_other_and_host_image_is_refused_clearly(charl
         assert "sleep 1000" not in second.exec("ps").stdout
     with pytest.raises(InvalidRequest, match="charliecloud runtime runs directory images"):
         client.create("host")
+
+
+def test_an_image_whose_root_links_to_a_host_directory_cannot_have_it_chowned(charliecloud, tmp_path_factory):
+    """The root agent chowned the image's /root and made ch-run's bind targets without
+    resolving inside the image: a /root -> host directory link handed it to the sandbox."""
+    client, image = charliecloud
+    victim = Path(tmp_path_factory.mktemp("victim"))
+    victim.chmod(0o755)
+    before = victim.stat()
+    hostile = busybox_rootfs(Path(image).parent / "hostile-image")
+    (hostile / "root").rmdir()
+    (hostile / "root").symlink_to(victim)  # absolute: on the host it names the victim
+    try:
+        with client.create(str(hostile)) as sandbox:
+            sandbox.exec("touch /root/planted 2>/dev/null; true")
+    except OrchardError:
+        pass  # refusing the image is fine too; what matters is the host directory
+    after = victim.stat()
+    assert (after.st_uid, after.st_gid, after.st_mode) == (before.st_uid, before.st_gid, before.st_mode)
+    assert list(victim.iterdir()) == []

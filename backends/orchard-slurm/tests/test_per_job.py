@@ -14,6 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from orchard.agent.tokens import sandbox_token
 from orchard.errors import InvalidRequest
 from slurm_testing import slurm_client, slurm_settings, squeue_jobs
 from tests.images import busybox_rootfs
@@ -88,3 +89,66 @@ def test_a_docker_image_from_a_registry_keeps_its_environment_and_workdir(per_jo
     finally:
         registry.stop()
         shutil.rmtree(registry.workdir, ignore_errors=True)
+
+
+def test_a_sandbox_cannot_point_the_relay_at_another_socket(per_job):
+    """The relay used to connect to agent.sock in a folder bound read-write into the
+    sandbox: replacing it with a symlink to munge's socket handed callers of the relay a
+    munge credential for the job's owner (root here). Now the socket never appears inside."""
+    client, image, _, shared = per_job
+    with client.create(image) as sandbox:
+        attack = sandbox.exec("for d in /orchard-run /orchard-run/state /tmp /tmp/.orchard-agent; do "
+                              "  [ -S $d/agent.sock ] && mv $d/agent.sock $d/real.sock; "
+                              "  ln -sf /run/munge/munge.socket.2 $d/agent.sock 2>/dev/null; done; "
+                              "ls -la /proc/1/fd 2>/dev/null | grep -c socket || true")
+        assert attack.exit_code == 0
+        (record,) = [r for r in shared.glob("pilots/*/agent/agent.json")]
+        address = json.loads(record.read_text())["address"]
+        token = (record.parent / "token").read_text().strip()
+        answer = httpx.get(f"{address}/sandboxes/{sandbox.id}", headers={"X-API-Key": token}, timeout=10)
+        assert answer.status_code == 200 and answer.json()["sandbox_id"] == sandbox.id  # still the agent
+        assert sandbox.exec("echo still-reachable").stdout == "still-reachable\n"
+
+
+def test_the_relay_checks_keys_before_relaying_and_drops_silent_connections(per_job):
+    import socket as sockets
+
+    client, image, _, shared = per_job
+    with client.create(image) as sandbox:
+        (record,) = [r for r in shared.glob("pilots/*/agent/agent.json")]
+        address = json.loads(record.read_text())["address"]
+        host, port = address.removeprefix("http://").rsplit(":", 1)
+        assert httpx.get(f"{address}/health", timeout=5).status_code == 401  # not even liveness without a key
+        assert httpx.get(f"{address}/sandboxes", headers={"X-API-Key": "sbx." + "0" * 48}, timeout=5).status_code == 401
+        token = (record.parent / "token").read_text().strip()
+        own = sandbox_token(token, sandbox.id, client.get(sandbox.id).info.incarnation)
+        assert httpx.get(f"{address}/sandboxes/{sandbox.id}", headers={"X-API-Key": own}, timeout=5).status_code == 200
+        silent = sockets.create_connection((host, int(port)), timeout=30)
+        started = time.monotonic()
+        assert silent.recv(1) == b""  # closed by the relay, no byte relayed
+        assert time.monotonic() - started < 15
+        silent.close()
+        assert sandbox.exec("echo fine").stdout == "fine\n"
+
+
+def agent_host_uids() -> set[int]:
+    """Host uids of the per-job agents running on this node (seen from the host)."""
+    uids = set()
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and b"/opt/orchard/python" in (entry / "cmdline").read_bytes():
+                status = (entry / "status").read_text()
+                uids.add(int(next(line for line in status.splitlines() if line.startswith("Uid:")).split()[1]))
+        except (OSError, StopIteration):
+            continue
+    return uids
+
+
+def test_each_per_job_sandbox_runs_as_a_host_uid_of_its_own(per_job):
+    """Every per-job container ran as host uid 100000: on clusters whose accounts reach that
+    range, a real user owned every sandbox on the node."""
+    client, image, _, _ = per_job
+    with client.create(image) as first, client.create(image) as second:
+        assert first.exec("id -u").exit_code == 0 and second.exec("id -u").exit_code == 0
+        uids = agent_host_uids()
+        assert len(uids) >= 2 and all(100000 <= uid < 100000 + 65536 for uid in uids)

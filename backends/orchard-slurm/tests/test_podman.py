@@ -46,3 +46,18 @@ def test_host_image_is_refused_clearly(podman):
     client, _ = podman
     with pytest.raises(InvalidRequest, match="podman runtime runs images"):
         client.create("host")
+
+
+def test_podman_sandboxes_get_the_agents_default_limits_and_see_no_cgroup_tree(podman):
+    """Podman sandboxes had no memory limit unless asked (pids 2048 from Podman, not the
+    agent's defaults) and saw the node's whole cgroup tree, every sandbox id in it."""
+    client, image = podman
+    with client.create(image) as sandbox, client.create(image, memory="512M") as sized:
+        limits = sandbox.exec("cat /sys/fs/cgroup/memory/memory.limit_in_bytes /sys/fs/cgroup/memory.max "
+                              "/sys/fs/cgroup/pids/pids.max /sys/fs/cgroup/pids.max 2>/dev/null").stdout.split()
+        assert str(4 << 30) in limits and "4096" in limits  # default_memory 4Gi, default_pids 4096
+        sized_limit = sized.exec("cat /sys/fs/cgroup/memory/memory.limit_in_bytes /sys/fs/cgroup/memory.max "
+                                 "2>/dev/null").stdout.split()
+        assert any(abs(int(v) - 512_000_000) < 4096 for v in sized_limit if v.isdigit())  # 10^6 bytes, not MiB
+        tree = sandbox.exec("cat /proc/self/cgroup; ls -R /sys/fs/cgroup 2>/dev/null | grep -c libpod").stdout
+        assert sized.id not in tree and "libpod-" not in tree.split("\n")[0]

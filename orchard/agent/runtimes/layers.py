@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 from typing import Iterable, Optional
 
+from orchard.agent import inroot
 from orchard.agent.host_ids import idmapped_view
 from orchard.agent.images import ResolvedImage
 from orchard.agent.runtimes.mounts import mount
@@ -61,12 +62,15 @@ def overlay_root(lower: Path, directory: Path, owner: tuple[int, int], disk: Opt
 
 def ensure_paths(root: Path, directories: Iterable[str], files: Iterable[str]) -> None:
     """Create what a container tool binds onto and an image lacks, in a writable root (a
-    sandbox's own layer or our own unpacked copy, never a shared image)."""
-    for name in directories:
-        (root / name).mkdir(parents=True, exist_ok=True)
-    for name in files:
-        if not (root / name).exists() and not (root / name).is_symlink():
-            (root / name).touch()
+    sandbox's own layer or our own unpacked copy, never a shared image). Resolved inside
+    the root: an image's symlinks never steer these onto host paths."""
+    try:
+        for name in directories:
+            inroot.make_dirs(str(root), name)
+        for name in files:
+            inroot.make_file(str(root), name)
+    except OSError as exc:  # e.g. a symlink to a directory the image lacks
+        raise ImageRejected(f"cannot prepare the image's {exc.filename or 'tree'}: {exc.strerror}") from None
 
 
 def image_workdir(image: ResolvedImage, root: Path) -> str:

@@ -17,6 +17,7 @@ import shutil
 from pathlib import Path
 from typing import Optional
 
+from orchard.agent import inroot
 from orchard.agent.runtimes.api import DEFAULT_PATH, IsolationRuntime
 from orchard.agent.runtimes.holder import HOLD_ARGS, launcher_prefix, limit, spawn_holder, stop_held
 from orchard.agent.runtimes.layers import ensure_paths, image_workdir, writable_root
@@ -80,8 +81,8 @@ class CharliecloudRuntime(IsolationRuntime):
         root = writable_root(sandbox, image, optional_bytes(spec.disk or settings.default_disk),
                              owner, placement, (settings.host_uid, settings.host_gid))
         ensure_paths(root, CH_RUN_DIRS, (*CH_RUN_FILES, HOLD_PATH.lstrip("/")))  # ch-run's bind targets
-        if (root / "root").is_dir():
-            os.chown(root / "root", *ids)  # HOME, writable by the sandbox user (a copy-up in the overlay)
+        if inroot.exists_in_root(str(root), "/root", directory=True):
+            inroot.chown(str(root), "/root", ids)  # HOME, writable by the sandbox user (a copy-up in the overlay)
         placement.env = {"HOME": "/root", "PATH": DEFAULT_PATH, **image.env, **spec.env}
         placement.default_cwd = image_workdir(image, root)
         limit(self.context, sandbox)

@@ -28,6 +28,7 @@ from orchard.agent.reaper import run_tool
 from orchard.agent.runtimes.api import DEFAULT_PATH, IsolationRuntime
 from orchard.agent.sandbox import Placement, SandboxState
 from orchard.errors import ImageRejected, InvalidRequest, RuntimeUnavailable
+from orchard.quantities import parse_cpu, parse_memory
 from orchard_slurm.runtimes.processes import process_exit
 
 HOLD_PATH = "/.orchard-hold"
@@ -48,16 +49,16 @@ def run_options(sandbox_id: str, block_network: bool, helper: Path, idmap: Optio
                 memory: Optional[str], pids: Optional[int], cpu: Optional[str]) -> list[str]:
     """``podman run`` options of one sandbox (see the module docstring for why)."""
     options = ["-d", "--name", container_name(sandbox_id), "--hostname", sandbox_id[:63],
-               "--network", "none" if block_network else "host", "--cap-drop", "all",
+               "--network", "none" if block_network else "host", "--cap-drop", "all", "--cgroupns", "private",
                "--security-opt", "no-new-privileges", "-v", f"{helper}:{HOLD_PATH}:ro", "--entrypoint", HOLD_PATH]
     if idmap:
         options += ["--uidmap", f"0:{idmap[0]}:65536", "--gidmap", f"0:{idmap[1]}:65536"]
     if memory:
-        options += ["--memory", memory.replace("i", "").lower()]
+        options += ["--memory", str(parse_memory(memory))]  # bytes: "512M" is 10^6 bytes, Podman's "512m" MiB
     if pids:
         options += ["--pids-limit", str(pids)]
     if cpu:
-        options += ["--cpus", cpu]
+        options += ["--cpus", f"{parse_cpu(cpu):g}"]
     return options
 
 
@@ -170,7 +171,8 @@ class PodmanRuntime(IsolationRuntime):
         sandbox.state_dir.mkdir(parents=True, exist_ok=True)
         pidfile = sandbox.state_dir / "container.pid"
         await self._podman("run", "--pidfile", str(pidfile), *run_options(
-            sandbox.sandbox_id, spec.block_network, self.context.helper, idmap, spec.memory, spec.pids, spec.cpu),
+            sandbox.sandbox_id, spec.block_network, self.context.helper, idmap,
+            spec.memory or settings.default_memory, spec.pids or settings.default_pids, spec.cpu),
             image, "--hold")
         try:
             pid = int(pidfile.read_text().strip())

@@ -1,0 +1,114 @@
+"""The per-job relay: TCP on the compute node to the agent inside the sandbox's container.
+
+The agent serves on a listening Unix socket that this job creates in a directory of its
+own (never bound into the container) and hands to the container as an inherited file
+descriptor, so there is no socket path a sandbox could replace: the relay can only ever
+reach that agent, never a socket such as munge's. The relay also checks each connection's
+key before relaying a byte (the job's master token, or this sandbox's own per-sandbox
+token) and closes connections that do not send a request head in time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+from pathlib import Path
+from typing import Optional
+
+from orchard.agent.tokens import PREFIX, token_matches
+
+HEAD_LIMIT = 16 << 10  # a request head larger than this is no request of ours
+HEAD_DEADLINE = 5.0  # seconds an unauthenticated connection may stay open
+_REFUSED = (b"HTTP/1.1 401 Unauthorized\r\ncontent-type: application/json\r\nconnection: close\r\n"
+            b"content-length: %d\r\n\r\n%s")
+
+
+def listening_socket(directory: Path) -> socket.socket:
+    """A listening Unix socket in ``directory`` (created 0700: only this job's user)."""
+    directory.mkdir(mode=0o700)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(directory / "agent.sock"))
+    listener.listen(128)
+    listener.set_inheritable(True)
+    return listener
+
+
+def api_key(head: bytes) -> Optional[str]:
+    for line in head.split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"x-api-key":
+            return value.strip().decode(errors="replace")
+    return None
+
+
+class Relay:
+    def __init__(self, socket_path: Path, token: str, sandbox_id: str) -> None:
+        self.socket_path = socket_path
+        self.token = token
+        self.sandbox_id = sandbox_id
+        self._incarnation: Optional[str] = None
+
+    async def start(self, host: str) -> asyncio.AbstractServer:
+        return await asyncio.start_server(self._connect, host, 0, limit=HEAD_LIMIT)
+
+    async def agent_request(self, method: str, path: str) -> tuple[int, bytes]:
+        """One request to the agent with the master token (health, the sandbox's incarnation)."""
+        reader, writer = await asyncio.open_unix_connection(str(self.socket_path))
+        try:
+            writer.write(f"{method} {path} HTTP/1.1\r\nhost: agent\r\nx-api-key: {self.token}\r\n"
+                         "connection: close\r\n\r\n".encode())
+            await writer.drain()
+            answer = await asyncio.wait_for(reader.read(), 10)
+        finally:
+            writer.close()
+        status_line, _, rest = answer.partition(b"\r\n")
+        parts = status_line.split()
+        return (int(parts[1]) if len(parts) > 1 and parts[1].isdigit() else 0), rest.partition(b"\r\n\r\n")[2]
+
+    async def _allowed(self, key: Optional[str]) -> bool:
+        if key is None:
+            return False
+        if key == self.token:
+            return True
+        if not key.startswith(PREFIX):
+            return False
+        if self._incarnation is None or not token_matches(key, self.token, self.sandbox_id, self._incarnation):
+            status, body = await self.agent_request("GET", f"/sandboxes/{self.sandbox_id}")
+            try:
+                self._incarnation = json.loads(body).get("incarnation") if status == 200 else None
+            except ValueError:
+                self._incarnation = None
+        return self._incarnation is not None and token_matches(key, self.token, self.sandbox_id, self._incarnation)
+
+    async def _connect(self, client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter) -> None:
+        try:
+            head = await asyncio.wait_for(client_reader.readuntil(b"\r\n\r\n"), HEAD_DEADLINE)
+        except (asyncio.TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError):
+            client_writer.close()
+            return
+        if not await self._allowed(api_key(head)):
+            body = b'{"detail":"missing or wrong X-API-Key","error":{"type":"AuthenticationFailed",' \
+                   b'"message":"missing or wrong X-API-Key"}}'
+            client_writer.write(_REFUSED % (len(body), body))
+            await client_writer.drain()
+            client_writer.close()
+            return
+        try:
+            agent_reader, agent_writer = await asyncio.open_unix_connection(str(self.socket_path))
+        except OSError:
+            client_writer.close()
+            return
+        agent_writer.write(head)
+        await asyncio.gather(_pipe(client_reader, agent_writer), _pipe(agent_reader, client_writer))
+
+
+async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    try:
+        while data := await reader.read(1 << 16):
+            writer.write(data)
+            await writer.drain()
+    except (ConnectionError, OSError):
+        pass
+    finally:
+        writer.close()
