@@ -36,7 +36,7 @@ from orchard.errors import OrchardError
 from orchard_slurm.pilot import write_stop_record
 from orchard_slurm.relay import Relay, listening_socket
 from orchard_slurm.runtimes.apptainer import pilot_has_gpus
-from orchard_slurm.runtimes.charliecloud import CH_RUN_DIRS, CH_RUN_FILES
+from orchard_slurm.runtimes.charliecloud import CH_RUN_DIRS, CH_RUN_FILES, minimal_dev_args, unshare_args
 
 AGENT_FD = 3  # the listening socket the job hands to the agent (see relay.py)
 AGENT = ["/opt/orchard/bin/orchard-agent", "--runtime", "direct", "--state-dir", "/tmp/.orchard-agent",
@@ -71,8 +71,8 @@ def container_argv(job: SandboxJob, root: Path, writable: bool) -> list[str]:
                 "--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", "--ro-bind", job.bundle, "/opt/orchard"]
         return argv + (["--unshare-net"] if job.block_network else []) + ["--", *AGENT]
     if job.runtime == "charliecloud":
-        argv = ["unshare", "--user", "--map-current-user", "--pid", "--mount-proc", "--ipc", "--uts", "--fork",
-                "--kill-child", *(["--net"] if job.block_network else []), "--", "ch-run", "--private-tmp"]
+        staging = Path(job.job_dir) / "container" / "dev"
+        argv = [*unshare_args(job.block_network), "--", *minimal_dev_args(staging), "ch-run", "--private-tmp"]
         argv += ["--write"] if writable else []
         for source, target in binds.items():
             argv += ["--bind", f"{source}:{target}"]
@@ -149,6 +149,9 @@ async def _run(job: SandboxJob) -> None:
             raise RuntimeError(f"sandbox host id {job.host_ids[0]} belongs to {', '.join(clashes)} on "
                                f"{socket.gethostname()}: choose host_uid/host_id_count outside every account's ids")
         os.chown(work, *job.host_ids)
+    (work / "dev").mkdir()  # charliecloud's private /dev is built here
+    if os.geteuid() == 0:
+        os.chown(work / "dev", *job.host_ids)
     agent_dir.mkdir(exist_ok=True)
     loop = asyncio.get_running_loop()
     reaper = ChildReaper()  # the image store's tools and the container, each waited for once

@@ -93,3 +93,17 @@ def test_an_image_whose_root_links_to_a_host_directory_cannot_have_it_chowned(ch
     after = victim.stat()
     assert (after.st_uid, after.st_gid, after.st_mode) == (before.st_uid, before.st_gid, before.st_mode)
     assert list(victim.iterdir()) == []
+
+
+def test_each_sandbox_has_a_private_minimal_dev_and_shm(charliecloud):
+    """Charliecloud sandboxes saw the host's /dev (108 entries: /dev/kvm, /dev/fuse, block
+    devices) and shared the host's /dev/shm with each other and every user of the node."""
+    client, image = charliecloud
+    with client.create(image) as first, client.create(image) as second:
+        names = set(first.exec("ls /dev").stdout.split())
+        assert names <= {"null", "zero", "full", "random", "urandom", "tty", "shm", "pts", "fd", "stdin", "stdout",
+                         "stderr"}, names
+        assert first.exec("echo x > /dev/null && head -c 4 /dev/zero | wc -c").stdout.strip() == "4"
+        first.exec("echo secret > /dev/shm/orchard-shm-probe")
+        assert second.exec("cat /dev/shm/orchard-shm-probe 2>/dev/null || echo unseen").stdout == "unseen\n"
+        assert not Path("/dev/shm/orchard-shm-probe").exists()

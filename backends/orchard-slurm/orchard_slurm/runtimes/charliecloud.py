@@ -30,11 +30,34 @@ CH_RUN_DIRS = ("dev", "proc", "sys", "tmp", "etc", "home", "mnt")
 CH_RUN_FILES = ("etc/hosts", "etc/resolv.conf", "etc/passwd", "etc/group")
 
 
+# ch-run binds the host's /dev (block devices, /dev/kvm, /dev/fuse, and a /dev/shm shared
+# with every user of the node). In the mount namespace unshare made, this puts a private,
+# minimal /dev in its place first (a tmpfs with the usual character devices bound in and
+# a /dev/shm of its own), then drops the capabilities it needed and runs ch-run.
+MINIMAL_DEV = """set -e
+d="$1"; shift
+mount -n -t tmpfs -o mode=0755,nosuid,size=64k tmpfs "$d"
+for n in null zero full random urandom tty; do : > "$d/$n"; mount -n --bind "/dev/$n" "$d/$n"; done
+mkdir "$d/shm" "$d/pts"
+mount -n -t tmpfs -o mode=1777,nosuid,nodev tmpfs "$d/shm"
+ln -s /proc/self/fd "$d/fd"; ln -s /proc/self/fd/0 "$d/stdin"
+ln -s /proc/self/fd/1 "$d/stdout"; ln -s /proc/self/fd/2 "$d/stderr"
+mount -n --move "$d" /dev
+exec setpriv --inh-caps=-all --ambient-caps=-all -- "$@"
+"""
+
+
 def unshare_args(block_network: bool) -> list[str]:
-    """Namespaces ch-run does not make: PID (with its own /proc), IPC, UTS, and network when asked."""
-    args = ["unshare", "--user", "--map-current-user", "--pid", "--mount-proc", "--ipc", "--uts", "--fork",
-            "--kill-child"]
+    """Namespaces ch-run does not make: PID (with its own /proc), IPC, UTS, and network when asked
+    (capabilities kept in the new user namespace for ``minimal_dev_args``, which drops them)."""
+    args = ["unshare", "--user", "--map-current-user", "--keep-caps", "--pid", "--mount-proc", "--ipc", "--uts",
+            "--fork", "--kill-child"]
     return args + (["--net"] if block_network else [])
+
+
+def minimal_dev_args(staging: Path) -> list[str]:
+    """Run what follows with a private minimal /dev built in ``staging`` (an empty directory)."""
+    return ["sh", "-c", MINIMAL_DEV, "orchard-dev", str(staging)]
 
 
 def ch_run_args(root: Path, helper: Path) -> list[str]:
@@ -63,7 +86,7 @@ class CharliecloudRuntime(IsolationRuntime):
 
     @classmethod
     def unavailable_reason(cls) -> Optional[str]:
-        missing = [tool for tool in ("ch-run", "unshare") if shutil.which(tool) is None]
+        missing = [tool for tool in ("ch-run", "unshare", "setpriv", "mount") if shutil.which(tool) is None]
         if missing:
             return f"not installed: {', '.join(missing)} (apt-get install charliecloud-runtime util-linux)"
         return None
@@ -86,8 +109,12 @@ class CharliecloudRuntime(IsolationRuntime):
         placement.env = {"HOME": "/root", "PATH": DEFAULT_PATH, **image.env, **spec.env}
         placement.default_cwd = image_workdir(image, root)
         limit(self.context, sandbox)
+        staging = sandbox.state_dir / "dev"
+        staging.mkdir()
+        if owner:
+            os.chown(staging, *owner)
         argv = [*launcher_prefix(self.context, sandbox, owner), *unshare_args(spec.block_network),
-                "--", *ch_run_args(root, self.context.helper)]
+                "--", *minimal_dev_args(staging), *ch_run_args(root, self.context.helper)]
         env = {"PATH": DEFAULT_PATH, "USER": pwd.getpwuid(ids[0]).pw_name if _known(ids[0]) else "orchard"}
         await spawn_holder(self.context, sandbox, [shutil.which(argv[0]) or argv[0], *argv[1:]], env, "ch-run")
         holder = find_holder(placement.holder_pid or 0)
@@ -95,7 +122,7 @@ class CharliecloudRuntime(IsolationRuntime):
             raise RuntimeUnavailable("ch-run started, but its holder process was not found")
         placement.target_pid = holder
         placement.root = f"/proc/{holder}/root"
-        placement.shell = "bash" if (root / "bin" / "bash").exists() else "sh"
+        placement.shell = "bash" if inroot.exists_in_root(str(root), "/bin/bash") else "sh"
 
     async def stop(self, sandbox: SandboxState) -> None:
         await stop_held(sandbox)
