@@ -107,3 +107,5 @@ def test_each_sandbox_has_a_private_minimal_dev_and_shm(charliecloud):
         first.exec("echo secret > /dev/shm/orchard-shm-probe")
         assert second.exec("cat /dev/shm/orchard-shm-probe 2>/dev/null || echo unseen").stdout == "unseen\n"
         assert not Path("/dev/shm/orchard-shm-probe").exists()
+        cgroups = first.exec("cat /proc/self/cgroup").stdout
+        assert second.id not in cgroups and first.id not in cgroups  # its own cgroup namespace

@@ -48,9 +48,9 @@ exec setpriv --inh-caps=-all --ambient-caps=-all -- "$@"
 
 
 def unshare_args(block_network: bool) -> list[str]:
-    """Namespaces ch-run does not make: PID (with its own /proc), IPC, UTS, and network when asked
+    """Namespaces ch-run does not make: PID (with its own /proc), IPC, UTS, cgroup, and network when asked
     (capabilities kept in the new user namespace for ``minimal_dev_args``, which drops them)."""
-    args = ["unshare", "--user", "--map-current-user", "--keep-caps", "--pid", "--mount-proc", "--ipc", "--uts",
+    args = ["unshare", "--user", "--map-current-user", "--keep-caps", "--pid", "--mount-proc", "--ipc", "--uts", "--cgroup",
             "--fork", "--kill-child"]
     return args + (["--net"] if block_network else [])
 
