@@ -11,7 +11,6 @@ import logging
 import os
 import resource
 import secrets
-import shutil
 import signal
 import time
 from pathlib import PurePosixPath
@@ -29,7 +28,7 @@ from orchard.agent.reaper import ChildReaper
 from orchard.agent.runtimes.api import IsolationRuntime, RuntimeContext
 from orchard.agent.runtimes.bwrap import build_host_etc
 from orchard.agent.runtimes.helper import helper_path
-from orchard.agent.runtimes.mounts import unmount
+from orchard.agent.runtimes.mounts import remove_tree
 from orchard.agent.sandbox import SandboxState
 from orchard.agent.settings import AgentSettings
 from orchard.errors import (
@@ -121,12 +120,7 @@ class AgentService:
         """A previous agent on this state dir died: its sandboxes died with it (their
         holders run with --die-with-parent); remove what they left on the host."""
         for entry in self.settings.sandboxes_dir.iterdir():
-            for mount_point in (entry / "root", entry / "image", entry / "layer"):
-                try:
-                    unmount(mount_point)
-                except OSError:
-                    pass
-            shutil.rmtree(entry, ignore_errors=True)
+            remove_tree(entry)
         self._remove_leftover_cgroups()
 
     def _remove_leftover_cgroups(self, patience: float = 2.0) -> None:

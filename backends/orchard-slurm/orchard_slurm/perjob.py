@@ -31,7 +31,7 @@ from orchard.agent.images import ImageStore, ResolvedImage
 from orchard.agent.reaper import ChildReaper
 from orchard.agent.runtimes.api import DEFAULT_PATH
 from orchard.agent.runtimes.layers import ensure_paths, overlay_root
-from orchard.agent.runtimes.mounts import unmount
+from orchard.agent.runtimes.mounts import remove_tree, unmount
 from orchard.errors import OrchardError
 from orchard_slurm.pilot import write_stop_record
 from orchard_slurm.relay import Relay, listening_socket
@@ -211,7 +211,7 @@ async def _run(job: SandboxJob) -> None:
         os.close(log_fd)
         for target in mounts:
             unmount(target)
-        shutil.rmtree(work, ignore_errors=True)
+        remove_tree(work)
 
 
 async def stop_container(pid: int, exited: "asyncio.Future[int]") -> None:

@@ -11,7 +11,6 @@ import json
 import logging
 import re
 import secrets
-import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,6 +18,7 @@ from typing import Any, Optional
 
 from orchard.client.http import ApiClient
 from orchard.agent.host_ids import HostIdPool
+from orchard.agent.runtimes.mounts import remove_tree
 from orchard.errors import BackendUnavailable, ImageRejected, OrchardError, QuotaExceeded, SandboxNotFound
 from orchard.models import SandboxSpec
 from orchard.plugins import verify_image
@@ -350,7 +350,7 @@ class PilotPool:
             pilot.host_ids = None
         if pilot.api is not None:
             await pilot.api.close()
-        shutil.rmtree(pilot.directory, ignore_errors=True)
+        remove_tree(pilot.directory)  # never through a dead pilot's live mounts
 
     def pilot_of(self, sandbox_id: str) -> Pilot:
         pilot = self.pilots.get(self.owner.get(sandbox_id, ""))
@@ -401,6 +401,6 @@ class PilotPool:
             if not pilot.sandboxes and pilot.alive:
                 await slurm.cancel(pilot.job_id)
                 self.pilots.pop(pilot.pilot_id, None)
-                shutil.rmtree(pilot.directory, ignore_errors=True)
+                remove_tree(pilot.directory)  # never through a dead pilot's live mounts
             if pilot.api is not None:
                 await pilot.api.close()

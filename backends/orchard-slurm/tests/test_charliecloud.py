@@ -109,3 +109,34 @@ def test_each_sandbox_has_a_private_minimal_dev_and_shm(charliecloud):
         assert not Path("/dev/shm/orchard-shm-probe").exists()
         cgroups = first.exec("cat /proc/self/cgroup").stdout
         assert second.id not in cgroups and first.id not in cgroups  # its own cgroup namespace
+
+
+def test_sandboxes_die_with_a_hard_killed_pilot_and_leave_no_mounts(slurm_cluster):
+    """After kill -9 of a pilot's agent its Charliecloud sandboxes kept running under
+    orphaned unshare processes, outside Slurm's reach, and the pool removed the pilot's
+    directory while their overlay mounts were live."""
+    import json
+    import signal
+    import time
+
+    from orchard.agent.runtimes.mounts import mounts_below
+
+    settings = slurm_settings(runtime="charliecloud", sandboxes_per_pilot=4, max_pilots=1)
+    shared = Path(settings["shared_dir"])
+    image = busybox_rootfs(shared / "busybox-image")
+    with slurm_client(settings) as client:
+        before = holders()
+        sandbox = client.create(str(image))
+        sandbox.exec("sleep 1000 &")
+        assert holders() == before + 1
+        (record,) = shared.glob("pilots/*/agent/agent.json")
+        os.kill(json.loads(record.read_text())["pid"], signal.SIGKILL)
+        deadline = time.monotonic() + 20
+        while holders() > before and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert holders() == before, "a sandbox outlived its hard-killed agent"
+        deadline = time.monotonic() + 30
+        while client.get(sandbox.id).info.status != "lost" and time.monotonic() < deadline:
+            time.sleep(0.2)
+        client.delete(sandbox.id)
+    assert not any("orchard-slurm-test" in str(p) and str(shared) in str(p) for p in mounts_below(Path("/")))

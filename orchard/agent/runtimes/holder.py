@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
 import signal
 from typing import Optional
 
 from orchard.agent.runtimes.api import RuntimeContext
-from orchard.agent.runtimes.mounts import unmount
+from orchard.agent.runtimes.mounts import remove_tree, unmount
 from orchard.agent.sandbox import SandboxState
 from orchard.errors import QuotaExceeded, RuntimeUnavailable
 from orchard.quantities import optional_bytes, parse_cpu
@@ -25,8 +24,9 @@ HOLD_ARGS = ["--hold", "--ready-fd", "3"]  # what follows the holder's path insi
 
 def launcher_prefix(context: RuntimeContext, sandbox: Optional[SandboxState],
                     owner: Optional[tuple[int, int]]) -> list[str]:
-    """``orchard-enter`` putting the tool into the sandbox's cgroup, as ``owner`` when given."""
-    prefix = [str(context.helper)]
+    """``orchard-enter`` putting the tool into the sandbox's cgroup, as ``owner`` when given,
+    killed if the agent dies (so no sandbox outlives its agent, even one killed with -9)."""
+    prefix = [str(context.helper), "--die-with-parent"]
     if sandbox is not None and sandbox.cgroup is not None:
         for procs in sandbox.cgroup.procs_files:
             prefix += ["--cgroup", procs]
@@ -119,4 +119,4 @@ async def stop_held(sandbox: SandboxState) -> None:
     if placement is not None:
         for target in placement.mounts:
             unmount(target)
-    shutil.rmtree(sandbox.state_dir, ignore_errors=True)
+    remove_tree(sandbox.state_dir)

@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
+import re
+import shutil
 from pathlib import Path
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _MNT_DETACH = 2
+_ESCAPED = re.compile(r"\\([0-7]{3})")  # mountinfo writes space, tab, newline, backslash as \ooo
+log = logging.getLogger("orchard.agent")
 
 
 def mount(source: str, target: Path, fstype: str, options: str) -> None:
@@ -21,3 +26,32 @@ def unmount(target: Path) -> None:
         err = ctypes.get_errno()
         if err not in (22, 2):  # EINVAL: not a mount point; ENOENT: already gone
             raise OSError(err, f"umount {target}: {os.strerror(err)}")
+
+
+def mounts_below(path: Path) -> list[Path]:
+    """Mount points at or below ``path`` in our mount namespace, deepest first."""
+    top = os.path.realpath(path)
+    found = []
+    with open("/proc/self/mountinfo") as mountinfo:
+        for line in mountinfo:
+            point = _ESCAPED.sub(lambda m: chr(int(m.group(1), 8)), line.split()[4])
+            if point == top or point.startswith(top.rstrip("/") + "/"):
+                found.append(Path(point))
+    return sorted(found, key=lambda p: len(p.parts), reverse=True)
+
+
+def remove_tree(path: Path) -> bool:
+    """``rm -rf`` that never descends into a mount: whatever is mounted below ``path`` (a
+    sandbox's overlay, its tmpfs, an idmapped view of a shared image) is detached first,
+    and a tree that still holds a mount is left as it is. False when it was left."""
+    for point in mounts_below(path):
+        try:
+            unmount(point)
+        except OSError as exc:
+            log.warning("cannot unmount %s: %s", point, exc)
+    remaining = mounts_below(path)
+    if remaining:
+        log.warning("left %s in place: still mounted below it: %s", path, ", ".join(map(str, remaining)))
+        return False
+    shutil.rmtree(path, ignore_errors=True)
+    return True

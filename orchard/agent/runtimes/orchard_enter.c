@@ -18,6 +18,8 @@
  *   --oom-first    make this process and all it starts the OOM killer's first choice
  *                  (oom_score_adj 1000; raising needs no privilege), so a sandbox at its
  *                  memory limit loses the command or file call that filled it, not its holder;
+ *   --die-with-parent  (without --target) be killed when the agent dies, so a container tool
+ *                  that detaches from us (unshare, ch-run) never outlives it;
  *   --file         ARGV is a file operation (enter_files.c) done in place of a command,
  *                  from exactly where a command would run;
  *   --hold         instead of a command, be a sandbox's holder: PID 1 of its namespaces,
@@ -154,13 +156,14 @@ int main(int argc, char **argv) {
     int n_cgroups = 0;
     const char *target = NULL, *cwd = NULL;
     long uid = -1, gid = -1;
-    int i = 1, holder = 0, ready_fd = -1, file = 0, seccomp = 0, oom_first = 0;
+    int i = 1, holder = 0, ready_fd = -1, file = 0, seccomp = 0, oom_first = 0, die_with_parent = 0;
     for (; i < argc; i++) {
         if (!strcmp(argv[i], "--")) { i++; break; }
         if (!strcmp(argv[i], "--hold")) { holder = 1; continue; }
         if (!strcmp(argv[i], "--file")) { file = 1; continue; }
         if (!strcmp(argv[i], "--seccomp")) { seccomp = 1; continue; }
         if (!strcmp(argv[i], "--oom-first")) { oom_first = 1; continue; }
+        if (!strcmp(argv[i], "--die-with-parent")) { die_with_parent = 1; continue; }
         if (i + 1 >= argc) { fprintf(stderr, "orchard-enter: %s needs a value\n", argv[i]); return 125; }
         if (!strcmp(argv[i], "--cgroup") && n_cgroups < MAX_CGROUPS) cgroups[n_cgroups++] = argv[++i];
         else if (!strcmp(argv[i], "--target")) target = argv[++i];
@@ -240,6 +243,9 @@ int main(int argc, char **argv) {
         prctl(PR_SET_PDEATHSIG, SIGKILL, 0, 0, 0);
     } else {
         switch_ids(uid, gid);
+        /* After the id switch, which would clear it; kept across the exec that follows. */
+        if (die_with_parent && prctl(PR_SET_PDEATHSIG, SIGKILL, 0, 0, 0) < 0) die("pdeathsig", NULL);
+        if (die_with_parent && getppid() == 1) _exit(125); /* the agent is already gone */
         if (seccomp && prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) < 0) die("no_new_privs", NULL);
     }
     if (seccomp) apply_seccomp();

@@ -29,6 +29,7 @@ from typing import Optional
 from orchard.agent.inroot import exists_in_root
 from orchard.agent.reaper import run_tool
 from orchard.agent.runtimes.api import DEFAULT_PATH, IsolationRuntime
+from orchard.agent.runtimes.mounts import remove_tree
 from orchard.agent.runtimes.holder import launcher_prefix
 from orchard.agent.sandbox import Placement, SandboxState
 from orchard.errors import ImageRejected, InvalidRequest, RuntimeUnavailable
@@ -162,4 +163,4 @@ class ApptainerRuntime(IsolationRuntime):
         if sandbox.cgroup is not None:
             sandbox.cgroup.kill_all()
             sandbox.cgroup.remove()
-        shutil.rmtree(sandbox.state_dir, ignore_errors=True)
+        remove_tree(sandbox.state_dir)

@@ -26,6 +26,7 @@ from typing import Optional
 from orchard.agent.inroot import exists_in_root
 from orchard.agent.reaper import run_tool
 from orchard.agent.runtimes.api import DEFAULT_PATH, IsolationRuntime
+from orchard.agent.runtimes.mounts import remove_tree
 from orchard.agent.sandbox import Placement, SandboxState
 from orchard.errors import ImageRejected, InvalidRequest, RuntimeUnavailable
 from orchard.quantities import parse_cpu, parse_memory
@@ -200,4 +201,4 @@ class PodmanRuntime(IsolationRuntime):
                                           self._env)
             if code != 0 and "no such container" not in err.lower():
                 raise RuntimeUnavailable(f"podman rm failed: {err.strip()[-500:]}")
-        shutil.rmtree(sandbox.state_dir, ignore_errors=True)
+        remove_tree(sandbox.state_dir)
