@@ -11,7 +11,7 @@ import shlex
 import time
 from typing import Any, Callable, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from orchard.quantities import (
     CPU_PATTERN, PIDS_MAX, PIDS_MIN, PIDS_RULE, QUANTITY_PATTERN, check_pids, parse_cpu, parse_disk, parse_memory,
@@ -64,8 +64,31 @@ COMMAND_SCHEMA = {"anyOf": [
 ]}
 
 
+def _text_problem(value: object) -> bool:
+    """True when ``value`` holds a string that is no UTF-8 text (a lone surrogate, which
+    JSON can carry as an escape): it could not be passed to a command or stored."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return True
+        return False
+    if isinstance(value, dict):
+        return any(_text_problem(k) or _text_problem(v) for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return any(_text_problem(item) for item in value)
+    return False
+
+
 class Request(BaseModel):
     model_config = ConfigDict(extra="ignore")
+
+    @model_validator(mode="after")
+    def _utf8_only(self) -> "Request":
+        for name in type(self).model_fields:
+            if _text_problem(getattr(self, name)):
+                raise ValueError(f"{name} is not valid UTF-8 text (it holds a lone surrogate escape)")
+        return self
 
 
 class SandboxSpec(Request):

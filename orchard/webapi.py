@@ -47,10 +47,6 @@ def validation_body(exc: RequestValidationError) -> dict[str, Any]:
     return {"detail": errors, "error": {"type": "InvalidRequest", "message": summary or "invalid request"}}
 
 
-class _TooLarge(Exception):
-    pass
-
-
 class BodyLimitMiddleware:
     """Refuses request bodies over a limit with 413 before they are held in memory:
     ``limit`` for JSON routes, ``raw_limit`` (None: none) for the raw file upload, whose
@@ -74,27 +70,34 @@ class BodyLimitMiddleware:
         if declared is not None and declared.isdigit() and int(declared) > limit:
             await self._refuse(scope, receive, send, limit)
             return
-        seen, started = 0, False
+        seen, started, refused = 0, False, False
 
         async def counting_receive() -> dict:
-            nonlocal seen
+            nonlocal seen, refused
+            if refused:
+                return {"type": "http.disconnect"}
             message = await receive()
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
-                if seen > limit:
-                    raise _TooLarge()
+                if seen > limit:  # answer now; the app sees the client go away
+                    refused = True
+                    if not started:
+                        await self._refuse(scope, receive, send, limit)
+                    return {"type": "http.disconnect"}
             return message
 
         async def watching_send(message: dict) -> None:
             nonlocal started
+            if refused:
+                return  # the 413 went out; whatever the app says now is dropped
             started = started or message["type"] == "http.response.start"
             await send(message)
 
         try:
             await self.app(scope, counting_receive, watching_send)
-        except _TooLarge:
-            if not started:
-                await self._refuse(scope, receive, send, limit)
+        except Exception:
+            if not refused:
+                raise
 
     @staticmethod
     async def _refuse(scope: dict, receive: Callable, send: Callable, limit: int) -> None:

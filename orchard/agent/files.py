@@ -71,10 +71,26 @@ class _HelperRun:
 class SandboxFiles:
     """File calls of one sandbox, each run inside it by the static helper."""
 
-    def __init__(self, runtime: "IsolationRuntime", sandbox: "SandboxState", reaper: "ChildReaper") -> None:
+    def __init__(self, runtime: "IsolationRuntime", sandbox: "SandboxState", reaper: "ChildReaper",
+                 agent_slots: asyncio.Semaphore) -> None:
         self.runtime = runtime
         self.sandbox = sandbox
         self.reaper = reaper
+        self.agent_slots = agent_slots  # file calls in flight over all sandboxes
+
+    async def _acquire(self) -> None:
+        """A slot of this sandbox, then one of the agent's: calls beyond them wait, so no
+        caller can run the agent out of processes or descriptors."""
+        await self.sandbox.file_slots.acquire()
+        try:
+            await self.agent_slots.acquire()
+        except BaseException:
+            self.sandbox.file_slots.release()
+            raise
+
+    def _release(self) -> None:
+        self.agent_slots.release()
+        self.sandbox.file_slots.release()
 
     def absolute(self, path: str) -> str:
         if "\0" in path:
@@ -147,6 +163,13 @@ class SandboxFiles:
     async def write(self, path: str, chunks: AsyncIterator[bytes], mode: Optional[int] = None) -> tuple[str, int]:
         """Write a file from a byte stream; returns (absolute path, bytes written)."""
         full = self.absolute(path)
+        await self._acquire()
+        try:
+            return await self._write(full, chunks, mode)
+        finally:
+            self._release()
+
+    async def _write(self, full: str, chunks: AsyncIterator[bytes], mode: Optional[int]) -> tuple[str, int]:
         run = await self._start(["write", full, str(-1 if mode is None else mode)], with_stdin=True)
         assert run.stdin is not None
         try:
@@ -171,13 +194,18 @@ class SandboxFiles:
     async def open_read(self, path: str, max_bytes: int = -1) -> tuple[str, int, AsyncIterator[bytes]]:
         """(absolute path, size on disk, the bytes as they are read) of a regular file."""
         full = self.absolute(path)
-        run = await self._start(["read", full, str(max_bytes)])
-        size = self._header(await run.stdout.readline())
-        if size is None:
-            run.kill()
-            error = await self._failure(run, full)
-            run.close()
-            raise error
+        await self._acquire()  # held until the caller has read the whole file (or stopped)
+        try:
+            run = await self._start(["read", full, str(max_bytes)])
+            size = self._header(await run.stdout.readline())
+            if size is None:
+                run.kill()
+                error = await self._failure(run, full)
+                run.close()
+                raise error
+        except BaseException:
+            self._release()
+            raise
 
         async def chunks() -> AsyncIterator[bytes]:
             try:
@@ -191,6 +219,7 @@ class SandboxFiles:
             finally:
                 run.kill()
                 run.close()
+                self._release()
 
         return full, size, chunks()
 
@@ -201,6 +230,13 @@ class SandboxFiles:
     async def list(self, path: str, offset: int, limit: int) -> tuple[str, int, list[FileEntry]]:
         """(absolute path, number of entries, the entries [offset, offset + limit) by name)."""
         full = self.absolute(path)
+        await self._acquire()
+        try:
+            return await self._list(full, offset, limit)
+        finally:
+            self._release()
+
+    async def _list(self, full: str, offset: int, limit: int) -> tuple[str, int, list[FileEntry]]:
         run = await self._start(["list", full, str(offset), str(limit)])
         try:
             try:

@@ -47,6 +47,7 @@ class ImageStore:
     def __init__(self, cache_dir: Path, owner: Optional[tuple[int, int]], policy: dict[str, Any],
                  reaper: ChildReaper) -> None:
         self.cache_dir = cache_dir
+        cache_dir.mkdir(mode=0o711, parents=True, exist_ok=True)
         self.reaper = reaper
         self.owner = owner
         self.policy = policy  # for the orchard_verify_image hooks (AgentSettings.image_policy)
@@ -91,7 +92,8 @@ class ImageStore:
                 shutil.rmtree(staging, ignore_errors=True)
                 staging.mkdir()
                 env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin")}
-                code, _, err = await run_tool(self.reaper, ["cp", "-a", f"{path}/.", str(staging / "rootfs")], env)
+                (staging / "rootfs").mkdir()
+                code, _, err = await self._copy_confined(path, staging / "rootfs", env)
                 if code == 0 and self.owner is not None:
                     code, _, err = await run_tool(
                         self.reaper, ["chown", "-R", "-h", f"{self.owner[0]}:{self.owner[1]}", str(staging)], env)
@@ -100,6 +102,43 @@ class ImageStore:
                     raise ImageRejected(f"image {image!r} cannot be imported: {_last_line(err)}")
                 os.replace(staging, target)
         return ResolvedImage(reference=image, kind="rootfs", rootfs=target / "rootfs")
+
+    async def _copy_confined(self, source: Path, target: Path, env: dict[str, str]) -> tuple[int, str, str]:
+        """``cp -a SOURCE/. TARGET`` inside a bubblewrap whose root holds only the system's
+        /usr (for cp), the image at /src and the target at /dst: a symlink in the image, or
+        one swapped in while the copy runs, resolves in that root, never to the host's
+        /etc or /root, whatever cp follows. The image directory is opened once and judged
+        by where that descriptor is, so swapping a path component after the check changes
+        nothing."""
+        try:
+            pinned = os.open(source, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as exc:
+            return 1, "", f"{source}: {exc.strerror}"
+        try:
+            where = os.readlink(f"/proc/self/fd/{pinned}")
+            reason = verify_image(where, self.policy)
+            if reason:
+                return 1, "", f"image directory {source} now resolves to {where}: {reason}"
+            return await self._confined_cp(pinned, target, env)
+        finally:
+            os.close(pinned)
+
+    async def _confined_cp(self, pinned: int, target: Path, env: dict[str, str]) -> tuple[int, str, str]:
+        system = []
+        for name in ("/usr", "/bin", "/sbin", "/lib", "/lib64", "/lib32", "/libx32"):
+            if os.path.islink(name):
+                system += ["--symlink", os.readlink(name), name]
+            elif os.path.isdir(name):
+                system += ["--ro-bind", name, name]
+        # Root without a user namespace, keeping only the right to read any file (images may
+        # hold root-only files); ownership is not kept: the tree is chowned to its owner next.
+        argv = ["bwrap", "--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts", "--die-with-parent",
+                "--cap-add", "CAP_DAC_READ_SEARCH", "--tmpfs", "/", *system, "--ro-bind", "/proc/self/fd/3", "/src",
+                "--bind", str(target), "/dst", "--", "cp", "-R", "-P", "--preserve=mode,timestamps,links",
+                "/src/.", "/dst/"]
+        code, out, err = await run_tool(self.reaper, argv, env, pass_fds={pinned: 3})
+        problems = [line for line in err.splitlines() if line.strip() and "cannot create special file" not in line]
+        return (0 if code == 1 and not problems else code), out, "\n".join(problems)  # device nodes are left out
 
     def _tls_flag(self, reference: str, option: str) -> list[str]:
         host = reference.removeprefix("docker://").split("/", 1)[0].split(":", 1)[0]

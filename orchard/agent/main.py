@@ -57,7 +57,8 @@ def serve(settings: AgentSettings, uds: Optional[Path] = None, host: str = "127.
     # loop="asyncio": uvloop reserves SIGCHLD, which the reaper needs.
     config = uvicorn.Config(app, uds=str(uds) if uds else None, host=host, port=port, log_level=log_level,
                             access_log=False, lifespan="on", loop="asyncio", timeout_keep_alive=60, backlog=4096,
-                            timeout_graceful_shutdown=graceful_shutdown_seconds, fd=fd)
+                            timeout_graceful_shutdown=graceful_shutdown_seconds, fd=fd,
+                            limit_concurrency=settings.max_connections)
     server = uvicorn.Server(config)
     address = f"fd://{fd}" if fd is not None else f"unix://{uds}" if uds else f"http://{host}:{port}"
     info_path = settings.agent_dir / "agent.json"

@@ -62,15 +62,18 @@ class ChildReaper:
                 callback(exit_code_of(info))
 
 
-async def run_tool(reaper: ChildReaper, argv: list[str], env: dict[str, str]) -> tuple[int, str, str]:
+async def run_tool(reaper: ChildReaper, argv: list[str], env: dict[str, str],
+                   pass_fds: dict[int, int] | None = None) -> tuple[int, str, str]:
     """Run a helper tool to completion through the reaper (asyncio's own child watcher
-    would race with our ``waitid(P_ALL)``); returns (exit code, stdout, stderr)."""
+    would race with our ``waitid(P_ALL)``); returns (exit code, stdout, stderr).
+    ``pass_fds`` {our fd: its number in the child} hands descriptors to this child alone."""
     path = shutil.which(argv[0], path=env.get("PATH")) or argv[0]
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         pid = os.posix_spawn(path, argv, env, file_actions=[
             (os.POSIX_SPAWN_OPEN, 0, "/dev/null", os.O_RDONLY, 0),
             (os.POSIX_SPAWN_DUP2, out.fileno(), 1),
             (os.POSIX_SPAWN_DUP2, err.fileno(), 2),
+            *((os.POSIX_SPAWN_DUP2, ours, theirs) for ours, theirs in (pass_fds or {}).items()),
         ], setsigdef=(signal.SIGPIPE, signal.SIGXFSZ))
         code = await reaper.wait(pid)
         out.seek(0)

@@ -13,6 +13,9 @@ from orchard.agent.cgroups import SandboxCgroup
 from orchard.models import Sandbox, SandboxSpec, SandboxStatus
 
 
+FILE_CALLS_PER_SANDBOX = 16  # at once; more wait (each costs the agent a process and four fds)
+
+
 @dataclass
 class Placement:
     """Where a started sandbox lives, as its runtime reports it."""
@@ -43,6 +46,7 @@ class SandboxState:
     ready_event: asyncio.Event = field(default_factory=asyncio.Event)
     deleting: bool = False
     holder_exit: Optional["asyncio.Future[int]"] = None
+    file_slots: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(FILE_CALLS_PER_SANDBOX))
     host_ids: Optional[tuple[int, int]] = None  # its own host uid/gid (root agents), from HostIdPool
     incarnation: str = field(default_factory=lambda: secrets.token_hex(8))  # per-sandbox tokens are bound to it
 

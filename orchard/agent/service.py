@@ -18,7 +18,7 @@ from typing import AsyncIterator, Optional
 
 from orchard.agent.cgroups import CgroupManager, SandboxCgroup
 from orchard.agent.files import SandboxFiles
-from orchard.agent.host_ids import HostIdPool, clashing_accounts
+from orchard.agent.host_ids import HostIdPool, claim_host_ids
 from orchard.agent.images import ImageStore
 from orchard.agent.inroot import exists_in_root
 from orchard.agent.jobs import JobRecord, JobRunner
@@ -32,14 +32,14 @@ from orchard.agent.runtimes.mounts import remove_tree
 from orchard.agent.sandbox import SandboxState
 from orchard.agent.settings import AgentSettings
 from orchard.errors import (
-    InvalidRequest, JobNotFound, OrchardError, QuotaExceeded, RuntimeUnavailable, SandboxConflict, SandboxLost,
-    SandboxNotFound, SandboxNotReady,
+    ImageRejected, InvalidRequest, JobNotFound, OrchardError, QuotaExceeded, RuntimeUnavailable, SandboxConflict,
+    SandboxLost, SandboxNotFound, SandboxNotReady,
 )
 from orchard.models import (
     JOB_ID_RULE, ExecRequest, FileContent, FileList, FileUpload, FileUploaded, Job, PatchRequest, PatchResult, QueuedJob,
     Sandbox, SandboxSpec, valid_job_id,
 )
-from orchard.plugins import collect, emit_event
+from orchard.plugins import collect, emit_event, verify_image
 
 log = logging.getLogger("orchard.agent")
 PURGE_INTERVAL = 30.0
@@ -71,6 +71,7 @@ class AgentService:
         self.reaper = ChildReaper()
         self.started_at = time.time()
         self.last_call = time.monotonic()
+        self.file_slots = asyncio.Semaphore(settings.max_file_calls)
         self._tasks: set[asyncio.Task] = set()
         self.runtime: Optional[IsolationRuntime] = None
 
@@ -93,12 +94,14 @@ class AgentService:
         privileged = os.geteuid() == 0
         owner = (settings.host_uid, settings.host_gid) if privileged else None
         self.host_ids = HostIdPool(settings.host_uid, settings.host_gid, settings.host_id_count)
-        if owner:
-            clashes = clashing_accounts(settings.host_uid, settings.host_gid, settings.host_id_count)
-            if clashes:
-                raise RuntimeUnavailable(
-                    f"sandbox host ids {settings.host_uid}..{settings.host_uid + settings.host_id_count - 1} include "
-                    f"{', '.join(clashes[:5])}: choose host_uid/host_gid/host_id_count outside every account's ids")
+        if owner and settings.runtime != "direct":  # direct: commands run as we do, no sandbox ids
+            try:
+                uid, gid, self._host_id_claim = claim_host_ids(settings.host_uid, settings.host_gid,
+                                                               settings.host_id_count, settings.host_id_search)
+            except OSError as exc:
+                raise RuntimeUnavailable(str(exc)) from None
+            self.host_ids = HostIdPool(uid, gid, settings.host_id_count)
+            owner = (uid, gid)  # owns the unpacked images; sandboxes get the ids after it
         if owner and settings.runtime != "direct":
             for directory in (settings.sandboxes_dir, settings.share_dir, settings.images_dir):
                 reason = unreachable_reason(directory, *owner, setting="state_dir")
@@ -107,7 +110,8 @@ class AgentService:
         digest = hashlib.sha256(str(settings.state_dir.resolve()).encode()).hexdigest()[:10]
         self.cgroups = CgroupManager(agent_name=f"{settings.state_dir.name}-{digest}")  # stable across restarts
         self._clean_leftovers()
-        images = ImageStore(settings.images_dir, owner, settings.image_policy(), self.reaper)
+        cache = settings.images_dir / str(owner[0]) if owner else settings.images_dir  # trees belong to their owner
+        images = ImageStore(cache, owner, settings.image_policy(), self.reaper)
         context = RuntimeContext(settings=settings, helper=helper, cgroups=self.cgroups, images=images,
                                  reaper=self.reaper)
         self.runtime = runtime_cls(context)
@@ -199,6 +203,9 @@ class AgentService:
                 raise SandboxConflict(f"sandbox {sandbox_id!r} already exists with a different spec")
             await self._wait_ready(existing, spec.timeout or self.settings.ready_timeout)
             return existing.to_model()
+        reason = verify_image(spec.image, self.settings.image_policy())  # every runtime's images, once, here
+        if reason:
+            raise ImageRejected(f"image {spec.image!r} refused by policy: {reason}")
         if len(self.sandboxes) >= self.settings.max_sandboxes:
             raise QuotaExceeded(f"this agent already hosts {len(self.sandboxes)} sandboxes (max_sandboxes)")
         assert self.runtime is not None
@@ -350,7 +357,7 @@ class AgentService:
     # -- files ---------------------------------------------------------------------
     def _files(self, sandbox: SandboxState) -> SandboxFiles:
         assert self.runtime is not None
-        return SandboxFiles(self.runtime, sandbox, self.reaper)
+        return SandboxFiles(self.runtime, sandbox, self.reaper, self.file_slots)
 
     async def upload(self, sandbox_id: str, upload: FileUpload) -> FileUploaded:
         sandbox = self._ready(sandbox_id)

@@ -8,6 +8,7 @@ from typing import Any, Optional
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from orchard.agent.host_ids import DEFAULT_HOST_UID
 from orchard.agent.image_policy import DEFAULT_REGISTRIES
 
 
@@ -28,11 +29,14 @@ class AgentSettings(BaseModel):
     runtime: str = Field("bwrap", description="isolation runtime: bwrap, direct, or a plugin's")
     sandbox_uid: int = Field(1000, ge=0, description="uid of commands inside the sandbox")
     sandbox_gid: int = Field(1000, ge=0)
-    host_uid: int = Field(100000, gt=0, description="first of the unprivileged host uids sandboxes map to (root "
-                                                    "agents): each sandbox gets one of its own")
-    host_gid: int = Field(100000, gt=0)
+    host_uid: int = Field(DEFAULT_HOST_UID, gt=0, lt=2**31, description="first of the unprivileged host uids "
+                          "sandboxes map to (root agents): it owns unpacked images, each sandbox gets one of the "
+                          "next ones")
+    host_gid: int = Field(DEFAULT_HOST_UID, gt=0, lt=2**31)
     host_id_count: int = Field(65536, ge=1, description="how many host uids/gids from host_uid/host_gid sandboxes "
                                                         "may use (none may belong to an account of this machine)")
+    host_id_search: int = Field(64, ge=1, description="when the range is held by another agent on this machine (or "
+                                                      "clashes with an account), try this many next ranges")
     default_memory: Optional[str] = Field("4Gi", description="memory limit when a sandbox sets none")
     default_pids: Optional[int] = Field(4096, description="process limit when a sandbox sets none")
     default_disk: Optional[str] = Field("10Gi", description="writable-layer quota when a sandbox sets none")
@@ -57,6 +61,8 @@ class AgentSettings(BaseModel):
                                        description="largest file the JSON (base64) file routes move; raw routes have no cap")
     idle_exit_seconds: Optional[float] = Field(900.0, gt=0, description="exit after this long with no sandbox and "
                                                "no call (the local backend starts it again on demand); null: never")
+    max_file_calls: int = Field(256, ge=1, description="file calls in flight over all sandboxes (more wait)")
+    max_connections: int = Field(4096, ge=16, description="connections the agent serves at once (503 above)")
     max_list_entries: int = Field(10000, gt=0, description="most directory entries one files/list page returns")
 
     @property

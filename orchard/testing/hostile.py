@@ -110,3 +110,13 @@ def test_host_global_proc_entries_are_masked(sandbox):
         assert result.stdout.strip() in ("", "0"), (name, result)
     mounts = sandbox.exec("awk '$5 == \"/proc/sys\" {print $6}' /proc/self/mountinfo").stdout
     assert mounts.startswith("ro"), mounts
+
+
+def test_a_sandbox_cannot_ptrace_its_holder(sandbox):
+    """PID 1 was dumpable: a sandbox process could ptrace it into exiting, losing the sandbox
+    and freeing its host pids, which a later delete then SIGKILLed as root."""
+    script = ("import ctypes; libc = ctypes.CDLL(None, use_errno=True); "
+              "r = libc.ptrace(16, 1, 0, 0); print(r, ctypes.get_errno())")  # PTRACE_ATTACH to PID 1
+    result = sandbox.exec(["python3", "-c", script])
+    assert result.stdout.split()[0] == "-1", result.stdout + result.stderr
+    assert sandbox.exec("echo alive").stdout == "alive\n"

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
 import shutil
+import threading
 from pathlib import Path
 
 import pytest
 
-from orchard.errors import ImageRejected
+from orchard.errors import FileOperationFailed, ImageRejected
 from tests.backends.test_local_isolation import host_uid_of
 from tests.images import Registry, busybox_rootfs, have_image_tools
 
@@ -72,7 +74,7 @@ def test_docker_image_from_registry_honours_config(orchard_client, busybox_image
 def test_docker_images_are_cached_by_digest(orchard_client, busybox_image, agent_settings):
     with orchard_client.create(busybox_image):
         pass
-    cached = [p.name for p in agent_settings.images_dir.iterdir() if p.name.startswith("sha256-")]
+    cached = [p.name for p in agent_settings.images_dir.glob("*/sha256-*")]  # below the owner's uid
     assert len(cached) == 1
 
 
@@ -139,3 +141,41 @@ def test_image_files_stay_the_sandbox_users_under_its_own_uid(orchard_client, bu
         for sandbox in (first, second):
             assert sandbox.exec("stat -c %u /etc/os-release; id -u").stdout.split() == ["1000", "1000"]
             assert sandbox.exec("echo changed > /etc/os-release && cat /etc/os-release").stdout == "changed\n"
+
+
+def _swap_on_open(watched: Path, first: Path, second: Path, done: threading.Event) -> None:
+    """When ``watched`` is opened, exchange ``first`` and ``second`` (renameat2 RENAME_EXCHANGE):
+    the race a local user with write access to an image directory can run against an import."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = libc.inotify_init1(os.O_CLOEXEC)
+    libc.inotify_add_watch(fd, str(watched).encode(), 0x20)  # IN_OPEN
+    os.read(fd, 4096)
+    libc.renameat2(-100, str(first).encode(), -100, str(second).encode(), 2)  # RENAME_EXCHANGE
+    os.close(fd)
+    done.set()
+
+
+def test_an_image_directory_swapped_for_a_symlink_mid_import_copies_nothing_of_the_host(orchard_client, scratch):
+    """The import used to copy by path as root: swapping the image directory for a symlink
+    to / while cp was busy with a large file put the host's /etc/shadow in the image."""
+    images = scratch / "race"
+    images.mkdir()
+    image = images / "image"
+    image.mkdir()
+    (image / "a-large-file").write_bytes(b"\0" * (64 << 20))  # copied first: the window
+    for name in ("etc", "root", "workspace", "tmp"):
+        (image / name).mkdir()
+    (images / "decoy").symlink_to("/")
+    done = threading.Event()
+    watcher = threading.Thread(target=_swap_on_open, args=(image / "a-large-file", image, images / "decoy", done),
+                               daemon=True)
+    watcher.start()
+    try:
+        with orchard_client.create(str(image)) as sandbox:
+            assert done.wait(30), "the import never opened the large file"
+            for secret in ("/etc/shadow", "/root/.bashrc", "/etc/hostname"):
+                with pytest.raises(FileOperationFailed):
+                    sandbox.download(secret)
+    except ImageRejected:
+        pass  # refusing the swapped directory is as good
+    assert done.is_set()

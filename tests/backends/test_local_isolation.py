@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from orchard.agent.host_ids import DEFAULT_HOST_UID
 from orchard.bench.measure import count_processes
 
 
@@ -35,7 +36,8 @@ def test_unprivileged_inside_and_outside(sandbox):
     assert "NoNewPrivs:\t1" in inside
     status = Path(f"/proc/{holder_pid(sandbox)}/status").read_text()
     host_uids = next(line for line in status.splitlines() if line.startswith("Uid:")).split()[1:]
-    assert all(100000 <= int(uid) < 100000 + 65536 for uid in host_uids), "sandbox processes must not be root on the host"
+    assert all(DEFAULT_HOST_UID < int(uid) < DEFAULT_HOST_UID + 64 * 65536 for uid in host_uids), \
+        "sandbox processes must run as the agent's unprivileged sandbox ids, never root"
 
 
 def test_host_image_exposes_only_the_allow_list(sandbox):

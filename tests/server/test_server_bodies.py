@@ -73,3 +73,42 @@ def test_raw_upload_limit_is_configurable(server_factory):
             response = http.put(f"/sandboxes/{sandbox.id}/files/raw", params={"path": "small.bin"}, content=b"ok")
             assert response.status_code == 200
         assert sandbox.download("small.bin") == b"ok"
+
+
+def test_chunked_oversized_bodies_get_413_on_every_json_route(server_factory):
+    """Routes whose body FastAPI parses answered 400 "error parsing the body" (and hung)."""
+    server = server_factory(max_body_bytes=2 * MiB)
+    with server.client() as client, client.create("host") as sandbox, server.http() as http:
+        def chunked():
+            yield b'{"image": "host", "labels": {"x": "'
+            for _ in range(3):
+                yield b"y" * MiB
+            yield b'"}}'
+
+        for path in ("/sandboxes", f"/sandboxes/{sandbox.id}/files", f"/sandboxes/{sandbox.id}/apply_patch",
+                     f"/sandboxes/{sandbox.id}/exec/stream"):
+            response = http.post(path, content=chunked(), headers={"content-type": "application/json"})
+            assert response.status_code == 413, (path, response.status_code, response.text[:200])
+            assert response.json()["error"]["type"] == "PayloadTooLarge"
+        assert sandbox.exec("echo fine").stdout == "fine\n"
+
+
+def test_lone_surrogates_are_a_422_not_a_500_or_a_broken_sandbox(server):
+    """JSON may carry "\\ud800": it made create answer 500 yet leave the sandbox behind, or
+    accept an env that broke every later command."""
+    with server.http() as http:
+        before = {s["sandbox_id"] for s in http.get("/sandboxes").json()["sandboxes"]}
+        for body in ('{"image": "host", "labels": {"A": "\\ud800"}}', '{"image": "host", "env": {"A": "\\ud800"}}',
+                     '{"image": "host", "env": {"\\udfff": "x"}}'):
+            response = http.post("/sandboxes", content=body, headers={"content-type": "application/json"})
+            assert response.status_code == 422, (body, response.text[:300])
+            assert "UTF-8" in response.json()["error"]["message"]
+        assert {s["sandbox_id"] for s in http.get("/sandboxes").json()["sandboxes"]} == before
+        sid = http.post("/sandboxes", json={}).json()["sandbox_id"]
+        try:
+            for route in ("exec", "exec/stream"):
+                response = http.post(f"/sandboxes/{sid}/{route}", content='{"command": "echo \\ud800"}',
+                                     headers={"content-type": "application/json"})
+                assert response.status_code == 422, (route, response.text[:300])
+        finally:
+            http.delete(f"/sandboxes/{sid}")

@@ -11,7 +11,7 @@ from pydantic import Field, model_validator
 from orchard.backends.api import BackendConfig
 from orchard.agent.image_policy import DEFAULT_REGISTRIES
 from orchard.agent.reachable import unreachable_reason
-from orchard.agent.host_ids import clashing_accounts
+from orchard.agent.host_ids import DEFAULT_HOST_UID, clashing_accounts
 from orchard.agent.settings import default_state_dir
 
 
@@ -35,12 +35,12 @@ class SlurmConfig(BackendConfig):
                                   description="registries docker:// images may come from (host or host:port; '*': any)")
     image_dirs: list[Path] = Field(default_factory=list, description="directories that directory images may come "
                                                                     "from (besides shared_dir/images)")
-    host_uid: int = Field(100000, gt=0, description="first host uid/gid of this service's sandboxes (root jobs): "
-                                                    "each sandbox gets its own; give every service on a cluster "
-                                                    "its own range")
-    host_gid: int = Field(100000, gt=0)
-    host_id_count: int = Field(65536, ge=1, description="how many ids from host_uid/host_gid; none may belong to "
-                                                        "an account (checked here and on each node)")
+    host_uid: int = Field(DEFAULT_HOST_UID + 10_000_000, gt=0, lt=2**31,
+                          description="first host uid/gid of the sandboxes' range (root jobs): each sandbox gets an "
+                                      "id of its own, claimed on its node")
+    host_gid: int = Field(DEFAULT_HOST_UID + 10_000_000, gt=0, lt=2**31)
+    host_id_count: int = Field(65536, ge=2, description="how many ids from host_uid/host_gid; ranges holding an "
+                                                        "account are refused here and skipped on the nodes")
     partition: Optional[str] = None
     account: Optional[str] = None
     qos: Optional[str] = None
@@ -68,10 +68,15 @@ class SlurmConfig(BackendConfig):
                                                        "naming the shared directory, how orphans are found")
     slurm_poll_seconds: float = Field(2.0, gt=0, description="how stale a pilot's Slurm state may be")
 
-    @property
-    def host_id_block(self) -> int:
-        """Ids each job gets: one per sandbox of a pilot; one for a per-job sandbox."""
-        return 1 if self.mode == "per-job" else self.sandboxes_per_pilot
+    def host_id_settings(self) -> tuple[int, int, int, int]:
+        """(first uid, first gid, ids per job, ranges to search): each job claims a free block
+        on its node (a pilot one id per sandbox plus the first, which owns its images; a
+        per-job sandbox one id after the range's first, which owns the shared image cache),
+        so no two jobs on a node, of this service or another, share a sandbox uid."""
+        if self.mode == "per-job":
+            return self.host_uid + 1, self.host_gid + 1, 1, self.host_id_count - 1
+        block = self.sandboxes_per_pilot + 1
+        return self.host_uid, self.host_gid, block, self.host_id_count // block
 
     def image_policy(self) -> dict[str, Any]:
         """The image policy of this backend's agents (see orchard.agent.image_policy)."""
@@ -89,9 +94,9 @@ class SlurmConfig(BackendConfig):
             if clashes:
                 raise ValueError(f"host_uid: the sandboxes' ids {self.host_uid}..{self.host_uid + self.host_id_count - 1}"
                                  f" include {', '.join(clashes[:5])}; choose a range no account uses")
-        if self.mode == "pilot" and self.host_id_count < self.sandboxes_per_pilot:
-            raise ValueError(f"host_id_count ({self.host_id_count}) is less than sandboxes_per_pilot "
-                             f"({self.sandboxes_per_pilot}): every sandbox of a pilot needs its own id")
+        if self.mode == "pilot" and self.host_id_count < self.sandboxes_per_pilot + 1:
+            raise ValueError(f"host_id_count ({self.host_id_count}) is less than a pilot's block: sandboxes_per_pilot "
+                             f"+ 1 ({self.sandboxes_per_pilot + 1}), one id per sandbox and one for its images")
         if self.min_pilots > self.max_pilots:
             raise ValueError(f"min_pilots ({self.min_pilots}) is more than max_pilots ({self.max_pilots})")
         if self.mode == "per-job":

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Optional
 
 from orchard.agent import inroot
-from orchard.agent.host_ids import clashing_accounts
+from orchard.agent.host_ids import DEFAULT_HOST_UID, claim_host_ids
 from orchard.agent.images import ImageStore, ResolvedImage
 from orchard.agent.reaper import ChildReaper
 from orchard.agent.runtimes.api import DEFAULT_PATH
@@ -57,8 +57,12 @@ class SandboxJob:
     host: Optional[str] = None
     image_cache: Optional[str] = None  # where docker:// images are unpacked (shared between jobs)
     image_policy: dict = field(default_factory=dict)  # SlurmConfig.image_policy()
-    host_ids: tuple[int, int] = (100000, 100000)  # whom a root job runs the container as: this sandbox's own
-    image_owner: tuple[int, int] = (100000, 100000)  # whom shared unpacked images belong to (the first ids)
+    host_ids: tuple[int, int, int, int] = (DEFAULT_HOST_UID + 1, DEFAULT_HOST_UID + 1, 1, 65535)  # config's
+
+    @property
+    def image_owner(self) -> tuple[int, int]:
+        """Who owns the shared image cache: the range's first ids, never a sandbox's."""
+        return self.host_ids[0] - 1, self.host_ids[1] - 1
 
 
 def container_argv(job: SandboxJob, root: Path, writable: bool) -> list[str]:
@@ -102,7 +106,8 @@ async def resolve_image(job: SandboxJob, reaper: ChildReaper) -> ResolvedImage:
     return await store.resolve(job.image)
 
 
-def prepare_root(job: SandboxJob, image: ResolvedImage, work: Path) -> tuple[Path, bool, list[Path]]:
+def prepare_root(job: SandboxJob, image: ResolvedImage, work: Path,
+                 ids: Optional[tuple[int, int]]) -> tuple[Path, bool, list[Path]]:
     """(root, writable, mounts to undo): an overlay over the image when we are root; the
     image itself, read-only, otherwise."""
     assert image.rootfs is not None
@@ -115,9 +120,10 @@ def prepare_root(job: SandboxJob, image: ResolvedImage, work: Path) -> tuple[Pat
             ensure_paths(image.rootfs, CONTAINER_DIRS, CH_RUN_FILES)
         return image.rootfs, False, []
     mounts: list[Path] = []
-    root = overlay_root(image.rootfs, work, job.host_ids, None, mounts, job.image_owner)
+    assert ids is not None  # root jobs claimed them
+    root = overlay_root(image.rootfs, work, ids, None, mounts, job.image_owner)
     ensure_paths(root, CONTAINER_DIRS, CH_RUN_FILES)
-    inroot.chown(str(root), "/root", job.host_ids)  # the image's /root, even if it is a symlink
+    inroot.chown(str(root), "/root", ids)  # the image's /root, even if it is a symlink
     return root, True, mounts
 
 
@@ -143,15 +149,14 @@ async def _run(job: SandboxJob) -> None:
     job_dir = Path(job.job_dir)
     agent_dir, work = job_dir / "agent", job_dir / "container"
     work.mkdir(mode=0o700, parents=True)  # private to the sandbox's uid (and root): uploads land below
-    if os.geteuid() == 0:
-        clashes = clashing_accounts(*job.host_ids, 1)
-        if clashes:  # a real account would own the sandbox's processes and files on this node
-            raise RuntimeError(f"sandbox host id {job.host_ids[0]} belongs to {', '.join(clashes)} on "
-                               f"{socket.gethostname()}: choose host_uid/host_id_count outside every account's ids")
-        os.chown(work, *job.host_ids)
+    ids: Optional[tuple[int, int]] = None
+    if os.geteuid() == 0:  # a free id on this node, held while the job runs (skipping accounts' ids)
+        uid, gid, _held = claim_host_ids(*job.host_ids)
+        ids = (uid, gid)
+        os.chown(work, *ids)
     (work / "dev").mkdir()  # charliecloud's private /dev is built here
-    if os.geteuid() == 0:
-        os.chown(work / "dev", *job.host_ids)
+    if ids is not None:
+        os.chown(work / "dev", *ids)
     agent_dir.mkdir(exist_ok=True)
     loop = asyncio.get_running_loop()
     reaper = ChildReaper()  # the image store's tools and the container, each waited for once
@@ -166,12 +171,12 @@ async def _run(job: SandboxJob) -> None:
         except OrchardError as exc:
             os.write(log_fd, f"ImageRejected: {exc.message}\n".encode())
             raise
-        root, writable, mounts = prepare_root(job, image, work)
+        root, writable, mounts = prepare_root(job, image, work, ids)
         token = secrets.token_urlsafe(32)
         prefix: list[str] = []
         if os.geteuid() == 0:  # never run the container as real root
-            prefix = [str(Path(job.bundle) / "bin" / "orchard-enter"), "--uid", str(job.host_ids[0]),
-                      "--gid", str(job.host_ids[1]), "--"]
+            assert ids is not None
+            prefix = [str(Path(job.bundle) / "bin" / "orchard-enter"), "--uid", str(ids[0]), "--gid", str(ids[1]), "--"]
         env = {"PATH": DEFAULT_PATH, "HOME": "/root", "USER": "orchard", **image.env,
                "ORCHARD_AGENT_TOKEN": token}
         if image.workdir:

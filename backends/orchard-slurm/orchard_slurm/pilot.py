@@ -56,9 +56,9 @@ def read_stop_record(pilot_dir: Path) -> Optional[dict]:
 
 
 def run_pilot(state_dir: str, runtime: str, host: Optional[str], max_sandboxes: int, image_policy: dict,
-              host_ids: tuple[int, int, int]) -> None:
-    """Serve an agent for this pilot; ``host_ids`` (first uid, first gid, count) is the
-    block of sandbox host ids the service gave this pilot alone."""
+              host_ids: tuple[int, int, int, int]) -> None:
+    """Serve an agent for this pilot; ``host_ids`` (first uid, first gid, block, blocks to
+    search) says where it claims its block of sandbox host ids on this node."""
     from orchard.agent.main import serve
     from orchard.agent.settings import AgentSettings
 
@@ -66,6 +66,7 @@ def run_pilot(state_dir: str, runtime: str, host: Optional[str], max_sandboxes: 
     settings = AgentSettings(state_dir=state_dir, runtime=runtime, max_sandboxes=max_sandboxes,
                              idle_exit_seconds=None,  # the pool decides when an idle pilot ends
                              host_uid=host_ids[0], host_gid=host_ids[1], host_id_count=host_ids[2],
+                             host_id_search=host_ids[3],
                              **{key: image_policy[key] for key in ("registries", "insecure_registries", "image_dirs",
                                                                    "protected_dirs")})
     stop_before_time_limit(Path(state_dir))

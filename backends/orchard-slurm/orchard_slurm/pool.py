@@ -17,9 +17,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 from orchard.client.http import ApiClient
-from orchard.agent.host_ids import HostIdPool
 from orchard.agent.runtimes.mounts import remove_tree
-from orchard.errors import BackendUnavailable, ImageRejected, OrchardError, QuotaExceeded, SandboxNotFound
+from orchard.errors import BackendUnavailable, ImageRejected, OrchardError, SandboxNotFound
 from orchard.models import SandboxSpec
 from orchard.plugins import verify_image
 from orchard_slurm import slurm
@@ -48,7 +47,6 @@ class Pilot:
     ready: asyncio.Event = field(default_factory=asyncio.Event)
     failure: Optional[str] = None
     stopped: Optional[dict] = None  # its stop.json: told to stop (its job may still be ending)
-    host_ids: Optional[tuple[int, int]] = None  # the first of its block of sandbox host ids
 
     @property
     def alive(self) -> bool:
@@ -85,8 +83,6 @@ class PilotPool:
         self._adopted = False
         self.orphans_cancelled = 0
         self.pilots_submitted = 0
-        self.host_id_blocks = HostIdPool(config.host_uid, config.host_gid,
-                                         config.host_id_count // config.host_id_block)  # blocks, by index
 
     def live(self) -> list[Pilot]:
         return [pilot for pilot in self.pilots.values() if pilot.alive]
@@ -127,24 +123,9 @@ class PilotPool:
         directory.chmod(0o711)  # sandbox roots below must be reachable by the sandbox uid; the token file is 0600
         return pilot_id, directory
 
-    def _take_host_ids(self) -> tuple[int, int]:
-        """A block of host ids no other live job of this service holds, so two jobs on one
-        node never share a sandbox uid (ids are blocks of ``config.host_id_block``)."""
-        block = self.host_id_blocks.take()
-        if block is None:
-            raise QuotaExceeded(f"every block of host ids is in use (host_id_count {self.config.host_id_count})")
-        size = self.config.host_id_block
-        return (self.config.host_uid + (block[0] - self.config.host_uid) * size,
-                self.config.host_gid + (block[1] - self.config.host_gid) * size)
-
-    def _block_of(self, ids: tuple[int, int]) -> tuple[int, int]:
-        size = self.config.host_id_block
-        return (self.config.host_uid + (ids[0] - self.config.host_uid) // size,
-                self.config.host_gid + (ids[1] - self.config.host_gid) // size)
-
-    def _pilot_call(self, directory: Path, host_ids: tuple[int, int]) -> tuple:
+    def _pilot_call(self, directory: Path) -> tuple:
         return (run_pilot, str(directory), self.config.runtime, self.config.agent_host, self.config.sandboxes_per_pilot,
-                self.config.image_policy(), (*host_ids, self.config.host_id_block))
+                self.config.image_policy(), self.config.host_id_settings())
 
     async def submit(self, spec: Optional[SandboxSpec] = None) -> Pilot:
         """Submit a pilot, or (per-job mode, given the sandbox's spec) the job of one sandbox."""
@@ -155,49 +136,35 @@ class PilotPool:
             raise ImageRejected(f"image {spec.image!r} refused by policy: {reason}")
         pilot_id, directory = self._new_directory()
         cache = self.config.image_cache_dir or self.config.shared_dir / "image-cache"
-        host_ids = self._take_host_ids()
         call = (run_sandbox_job, SandboxJob(str(directory), str(spec.sandbox_id), spec.image, self.config.runtime,
                                             spec.block_network, str(await self.bundle()), self.config.agent_host,
-                                            str(cache), self.config.image_policy(), host_ids,
-                                            (self.config.host_uid, self.config.host_gid)))
+                                            str(cache), self.config.image_policy(), self.config.host_id_settings()))
         submitted_at = time.time()
-        try:
-            job = await asyncio.to_thread(self.executor().submit, *call)
-        except BaseException:
-            self.host_id_blocks.release(self._block_of(host_ids))
-            raise
-        return self._track(pilot_id, directory, str(job.job_id), submitted_at, host_ids)
+        job = await asyncio.to_thread(self.executor().submit, *call)
+        return self._track(pilot_id, directory, str(job.job_id), submitted_at)
 
     async def submit_pilots(self, count: int) -> list[Pilot]:
         """Submit ``count`` pilots: one job, or one job array of ``count`` tasks."""
-        made = [(*self._new_directory(), self._take_host_ids()) for _ in range(count)]
+        made = [self._new_directory() for _ in range(count)]
         executor = self.executor()
 
         def submit() -> list[Any]:
             if count == 1:
-                return [executor.submit(*self._pilot_call(made[0][1], made[0][2]))]
+                return [executor.submit(*self._pilot_call(made[0][1]))]
             with executor.batch():
-                jobs = [executor.submit(*self._pilot_call(directory, ids)) for _, directory, ids in made]
+                jobs = [executor.submit(*self._pilot_call(directory)) for _, directory in made]
             return jobs
 
         submitted_at = time.time()
-        try:
-            jobs = await asyncio.to_thread(submit)
-        except BaseException:
-            for _, _, ids in made:
-                self.host_id_blocks.release(self._block_of(ids))
-            raise
-        return [self._track(pilot_id, directory, str(job.job_id), submitted_at, ids)
-                for (pilot_id, directory, ids), job in zip(made, jobs)]
+        jobs = await asyncio.to_thread(submit)
+        return [self._track(pilot_id, directory, str(job.job_id), submitted_at)
+                for (pilot_id, directory), job in zip(made, jobs)]
 
-    def _track(self, pilot_id: str, directory: Path, job_id: str, submitted_at: float,
-               host_ids: tuple[int, int]) -> Pilot:
-        pilot = Pilot(pilot_id, job_id, directory, submitted_at, self.config.time_limit_minutes * 60.0,
-                      host_ids=host_ids)
+    def _track(self, pilot_id: str, directory: Path, job_id: str, submitted_at: float) -> Pilot:
+        pilot = Pilot(pilot_id, job_id, directory, submitted_at, self.config.time_limit_minutes * 60.0)
         self.pilots_submitted += 1
         (directory / "pilot.json").write_text(json.dumps({"job_id": pilot.job_id, "submitted_at": pilot.submitted_at,
-                                                          "time_limit_seconds": pilot.time_limit_seconds,
-                                                          "host_ids": list(host_ids)}))
+                                                          "time_limit_seconds": pilot.time_limit_seconds}))
         self.pilots[pilot_id] = pilot
         asyncio.get_running_loop().create_task(self._await_agent(pilot))
         return pilot
@@ -283,9 +250,6 @@ class PilotPool:
             info, token = directory / "agent" / "agent.json", directory / "agent" / "token"
             if pilot.state != "RUNNING" or not info.exists():
                 continue
-            if data.get("host_ids"):  # its ids stay its own while it runs
-                pilot.host_ids = (int(data["host_ids"][0]), int(data["host_ids"][1]))
-                self.host_id_blocks.claim(self._block_of(pilot.host_ids))
             self._connect(pilot, json.loads(info.read_text()), token.read_text().strip())
             pilot.ready.set()
             self.pilots[pilot.pilot_id] = pilot
@@ -345,9 +309,6 @@ class PilotPool:
 
     async def forget(self, pilot: Pilot) -> None:
         self.pilots.pop(pilot.pilot_id, None)
-        if pilot.host_ids is not None:
-            self.host_id_blocks.release(self._block_of(pilot.host_ids))
-            pilot.host_ids = None
         if pilot.api is not None:
             await pilot.api.close()
         remove_tree(pilot.directory)  # never through a dead pilot's live mounts

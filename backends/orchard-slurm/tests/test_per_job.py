@@ -16,6 +16,7 @@ import pytest
 
 from orchard.agent.tokens import sandbox_token
 from orchard.errors import InvalidRequest
+from orchard_slurm.config import SlurmConfig
 from slurm_testing import slurm_client, slurm_settings, squeue_jobs
 from tests.images import busybox_rootfs
 
@@ -151,4 +152,5 @@ def test_each_per_job_sandbox_runs_as_a_host_uid_of_its_own(per_job):
     with client.create(image) as first, client.create(image) as second:
         assert first.exec("id -u").exit_code == 0 and second.exec("id -u").exit_code == 0
         uids = agent_host_uids()
-        assert len(uids) >= 2 and all(100000 <= uid < 100000 + 65536 for uid in uids)
+        base = SlurmConfig.model_fields["host_uid"].default
+        assert len(uids) >= 2 and all(base < uid < base + 65536 for uid in uids)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from orchard.errors import InvalidRequest
+from orchard.errors import ImageRejected, InvalidRequest
 from orchard_slurm.runtimes.podman import PodmanRuntime
 from slurm_testing import require, slurm_client, slurm_settings
 from tests.images import busybox_rootfs
@@ -61,3 +61,11 @@ def test_podman_sandboxes_get_the_agents_default_limits_and_see_no_cgroup_tree(p
         assert any(abs(int(v) - 512_000_000) < 4096 for v in sized_limit if v.isdigit())  # 10^6 bytes, not MiB
         tree = sandbox.exec("cat /proc/self/cgroup; ls -R /sys/fs/cgroup 2>/dev/null | grep -c libpod").stdout
         assert sized.id not in tree and "libpod-" not in tree.split("\n")[0]
+
+
+def test_podman_images_pass_the_image_policy(podman):
+    """The policy ran only in the agent's own image store, which Podman never used."""
+    client, _ = podman
+    for image in ("/etc", "docker://evil.example/steal:latest"):
+        with pytest.raises(ImageRejected, match="refused by policy"):
+            client.create(image)

@@ -137,7 +137,7 @@ class BwrapRuntime(IsolationRuntime):
     def _rootfs_args(self, sandbox: SandboxState, image: ResolvedImage, disk: Optional[int],
                      owner: Optional[tuple[int, int]], placement: Placement) -> list[str]:
         settings = self.context.settings
-        root = writable_root(sandbox, image, disk, owner, placement, (settings.host_uid, settings.host_gid))
+        root = writable_root(sandbox, image, disk, owner, placement, self.context.images.owner)
         placement.env = {"HOME": "/root", **image.env}
         placement.default_cwd = image_workdir(image, root)
         return ["--bind", str(root), "/", *self._proc_args(), "--dev", "/dev",

@@ -98,7 +98,8 @@ async def stop_held(sandbox: SandboxState) -> None:
     """Kill the holder (PID 1 of the namespace: the kernel kills the rest), then remove
     the sandbox's cgroup, mounts and state directory."""
     placement = sandbox.placement
-    if placement is not None:
+    exited = sandbox.holder_exit is not None and sandbox.holder_exit.done()
+    if placement is not None and not exited:  # once it exited, its pids may already be another process's
         for pid in (placement.target_pid, placement.holder_pid):
             if pid:
                 try:

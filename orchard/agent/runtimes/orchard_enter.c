@@ -19,7 +19,9 @@
  *                  (oom_score_adj 1000; raising needs no privilege), so a sandbox at its
  *                  memory limit loses the command or file call that filled it, not its holder;
  *   --die-with-parent  (without --target) be killed when the agent dies, so a container tool
- *                  that detaches from us (unshare, ch-run) never outlives it;
+ *                  that detaches from us (unshare, ch-run) never outlives it; and ignore
+ *                  SIGUSR1/SIGUSR2, which batch systems send to every process of a job as a
+ *                  warning (the agent decides when its sandboxes end, not the warning);
  *   --file         ARGV is a file operation (enter_files.c) done in place of a command,
  *                  from exactly where a command would run;
  *   --hold         instead of a command, be a sandbox's holder: PID 1 of its namespaces,
@@ -126,6 +128,9 @@ static void switch_ids(long uid, long gid) {
 }
 
 static int hold(int ready_fd) {
+    /* Not dumpable: a sandbox process of the same uid cannot ptrace its PID 1 and make it
+       exit (which would lose the sandbox and free its pids for reuse). */
+    if (prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) < 0) die("dumpable", NULL);
     if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) < 0) die("no_new_privs", NULL);
     apply_seccomp();
     sigset_t chld;
@@ -246,6 +251,10 @@ int main(int argc, char **argv) {
         /* After the id switch, which would clear it; kept across the exec that follows. */
         if (die_with_parent && prctl(PR_SET_PDEATHSIG, SIGKILL, 0, 0, 0) < 0) die("pdeathsig", NULL);
         if (die_with_parent && getppid() == 1) _exit(125); /* the agent is already gone */
+        if (die_with_parent) {
+            signal(SIGUSR1, SIG_IGN);
+            signal(SIGUSR2, SIG_IGN);
+        }
         if (seccomp && prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) < 0) die("no_new_privs", NULL);
     }
     if (seccomp) apply_seccomp();

@@ -79,8 +79,7 @@ class ApptainerRuntime(IsolationRuntime):
         return Path(os.environ.get("ORCHARD_APPTAINER_CACHE", str(self.context.settings.state_dir / "sif-cache")))
 
     def _owner(self) -> Optional[tuple[int, int]]:
-        settings = self.context.settings
-        return (settings.host_uid, settings.host_gid) if os.geteuid() == 0 else None
+        return self.context.images.owner  # the agent's first host ids (root agents), else None
 
     async def _call(self, sandbox: Optional[SandboxState], **request: object) -> dict:
         """One spython call in a child process (in the sandbox's cgroup; Apptainer as the

@@ -102,7 +102,7 @@ class CharliecloudRuntime(IsolationRuntime):
         placement = Placement(root="", uid=ids[0], gid=ids[1])  # ch-run maps our uid to itself
         sandbox.placement = placement  # attached first, so a failure below still gets cleaned up
         root = writable_root(sandbox, image, optional_bytes(spec.disk or settings.default_disk),
-                             owner, placement, (settings.host_uid, settings.host_gid))
+                             owner, placement, self.context.images.owner)
         ensure_paths(root, CH_RUN_DIRS, (*CH_RUN_FILES, HOLD_PATH.lstrip("/")))  # ch-run's bind targets
         if inroot.exists_in_root(str(root), "/root", directory=True):
             inroot.chown(str(root), "/root", ids)  # HOME, writable by the sandbox user (a copy-up in the overlay)

@@ -164,7 +164,7 @@ class PodmanRuntime(IsolationRuntime):
     async def start(self, sandbox: SandboxState) -> None:
         settings, spec = self.context.settings, sandbox.spec
         image = await self._image(spec.image)
-        idmap = (settings.host_uid, settings.host_gid) if os.geteuid() == 0 else None
+        idmap = self.context.images.owner  # the agent's first host ids (root agents), else None
         placement = Placement(root="", uid=0, gid=0,
                               env={"PATH": DEFAULT_PATH, "HOME": "/root", **spec.env}, default_cwd="/")
         sandbox.placement = placement
