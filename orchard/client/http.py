@@ -34,6 +34,18 @@ def _tls_context() -> ssl.SSLContext:
     return ssl.create_default_context()
 
 
+STREAM_ABOVE = 4 << 20  # larger bodies are sent in chunks
+
+
+async def _in_chunks(body: bytes, size: int = 1 << 20) -> AsyncIterator[bytes]:
+    """A large body a piece at a time: handed over whole, aiohttp copies it into the
+    transport's buffer at once, stalling this loop (and every other call on it) for
+    ~200 ms per 100 MB. Made anew for each attempt, so retries still work."""
+    view = memoryview(body)
+    for start in range(0, len(view), size):
+        yield view[start:start + size]
+
+
 class ScopedApi:
     """An ApiClient that sends its own key with every call (a per-sandbox agent token)."""
 
@@ -113,7 +125,8 @@ class ApiClient:
         attempt = 0
         while True:
             try:
-                async with session.request(method, url, data=body, headers=all_headers, timeout=limits) as response:
+                payload = _in_chunks(body) if isinstance(body, bytes) and len(body) > STREAM_ABOVE else body
+                async with session.request(method, url, data=payload, headers=all_headers, timeout=limits) as response:
                     status, payload = response.status, await response.read()
             except asyncio.TimeoutError as exc:
                 if not idempotent or attempt >= self.retries:
