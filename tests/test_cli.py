@@ -64,3 +64,11 @@ def test_bench_sandboxes_smoke(state, tmp_path):
 def test_quickstart_runs_end_to_end(state):
     result = orchard("quickstart", "--copies", "1", env_state=state)
     assert "4 sandboxes, 3 passed, 1 failed" in result.stdout
+
+
+def test_bench_files_smoke(state, tmp_path):
+    output = tmp_path / "files.json"
+    orchard("bench", "files", "--samples", "5", "--output", str(output), env_state=state)
+    result = json.loads(output.read_text())
+    assert set(result) == {"samples", "upload 1024 B", "download 1024 B", "list", "exec true"}
+    assert all(value["p50_ms"] > 0 for key, value in result.items() if key != "samples")

@@ -84,6 +84,27 @@ def noisy(quiet: int, flood_mb: int, upload_mb: int, rounds: int, output: Option
             f"--rounds {rounds}", output)
 
 
+@bench.command("files")
+@click.option("--samples", type=int, default=200, show_default=True, help="sequential calls of each kind")
+@click.option("--size", type=int, default=1024, show_default=True, help="bytes uploaded and downloaded")
+@click.option("--output", type=click.Path(path_type=Path), default=None)
+@url_option
+@api_key_option
+@backend_option
+@handle_errors
+def files(samples: int, size: int, output: Optional[Path], url: Optional[str], api_key: Optional[str],
+          backend: str) -> None:
+    """Latency of upload, download and list (each run inside the sandbox) next to exec true's."""
+    from orchard.bench.files import run
+    from orchard.client.aio import AsyncClient
+
+    async def main() -> dict:
+        async with AsyncClient(url, api_key, backend=None if url else backend) as client:
+            return await run(client, samples, size)
+
+    report(asyncio.run(main()), f"orchard bench files --samples {samples} --size {size}", output)
+
+
 @bench.command("bar")
 @click.option("--seeds", type=int, default=5, show_default=True)
 @click.option("--output", type=click.Path(path_type=Path), default=None, help="write the JSON here")
