@@ -263,3 +263,4 @@ def test_upload_rejects_bad_base64(sandbox):
 # -- hostile input (orchard/testing/hostile.py) ------------------------------------
 
 from orchard.testing.hostile import *  # noqa: E402,F401,F403
+from orchard.testing.isolation import *  # noqa: E402,F401,F403

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import os
-import socket
-import threading
 from pathlib import Path
 
 import pytest
 
 from orchard.agent.host_ids import DEFAULT_HOST_UID
 from orchard.bench.measure import count_processes
+from orchard.testing.isolation import FORK_BOMB as KIT_FORK_BOMB
+from orchard.testing.isolation import connect_probe, host_listener  # noqa: F401  (a fixture)
 
 
 def holder_pid(sandbox) -> int:
@@ -55,50 +55,14 @@ def test_state_directories_are_private(agent_settings, sandbox):
     assert oct(os.stat(agent_settings.sandboxes_dir).st_mode & 0o777) == "0o711"
 
 
-@pytest.fixture
-def host_listener():
-    server = socket.socket()
-    server.bind(("127.0.0.1", 0))
-    server.listen(8)
-    accepted = []
-
-    def accept() -> None:
-        while True:
-            try:
-                conn, _ = server.accept()
-            except OSError:
-                return
-            accepted.append(conn)
-            conn.sendall(b"hello-from-host\n")
-            conn.close()
-
-    threading.Thread(target=accept, daemon=True).start()
-    yield server.getsockname()[1]
-    server.close()
-
-
-def test_network_is_blocked_unless_asked(orchard_client, host_listener):
-    probe = ("python3 -c \"import socket; s=socket.create_connection(('127.0.0.1', %d), 2); "
-             "print(s.recv(100).decode(), end='')\"" % host_listener)
-    with orchard_client.create() as blocked:
-        job = blocked.exec(probe)
-        assert job.exit_code != 0 and "hello-from-host" not in job.stdout
-        assert blocked.exec("ip -o link 2>/dev/null | wc -l || ls /sys/class/net | wc -l").stdout.strip() == "1"
+def test_an_open_sandbox_reaches_host_loopback(orchard_client, host_listener):
+    """The other half of the kit's blocked-network test: asking for the network gives it."""
     with orchard_client.create(block_network=False) as open_:
-        assert open_.exec(probe).stdout == "hello-from-host\n"
+        assert open_.exec(connect_probe(host_listener)).stdout == "hello-from-host\n"
 
 
-FORK_BOMB = """python3 -c '
-import os, time  # orchard-fork-bomb
-for n in range(200):
-    try:
-        if os.fork() == 0:
-            time.sleep(60)
-            os._exit(0)
-    except OSError as exc:
-        print("fork failed after", n, exc)
-        break
-'"""
+# The kit's fork bomb, marked so its processes can be counted from the host.
+FORK_BOMB = KIT_FORK_BOMB.replace("import os, time", "import os, time  # orchard-fork-bomb")
 
 
 def test_pids_limit_holds_and_spares_the_others(orchard_client):
@@ -110,19 +74,10 @@ def test_pids_limit_holds_and_spares_the_others(orchard_client):
     assert count_processes("orchard-fork-bomb") == 0  # deleting the sandbox killed everything in it
 
 
-def test_memory_limit_holds(orchard_client):
+def test_memory_limit_names_the_oom_in_the_job(orchard_client):
     with orchard_client.create(memory="64Mi") as small:
         job = small.exec("python3 -c \"x = bytearray(300 * 2**20); print('allocated')\"", timeout=60)
-        assert job.exit_code != 0 and "allocated" not in job.stdout
         assert job.exit_code == 137 and "memory limit" in (job.error or "")
-        assert small.exec("echo survived").stdout == "survived\n"
-
-
-def test_disk_quota_gives_a_clear_error(orchard_client):
-    with orchard_client.create(disk="8Mi") as tiny:
-        job = tiny.exec("head -c 20000000 /dev/zero > /workspace/big")
-        assert job.exit_code != 0 and "No space left on device" in job.stderr
-        assert tiny.exec("rm /workspace/big && echo freed").stdout == "freed\n"
 
 
 def test_zombies_are_reaped(sandbox):
