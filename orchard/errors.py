@@ -12,13 +12,15 @@ class OrchardError(Exception):
 
     status_code = 500
     error_type = "internal"  # the job-level error_type this maps to, where it applies
+    retryable = False  # would the same request, sent again, likely succeed? (clients retry only these)
 
     def __init__(self, message: str = "") -> None:
         super().__init__(message or self.__class__.__doc__ or self.__class__.__name__)
         self.message = str(self.args[0])
 
     def to_body(self) -> dict:
-        return {"detail": self.message, "error": {"type": type(self).__name__, "message": self.message}}
+        return {"detail": self.message,
+                "error": {"type": type(self).__name__, "message": self.message, "retryable": self.retryable}}
 
 
 class InvalidRequest(OrchardError):
@@ -103,6 +105,7 @@ class AgentUnreachable(OrchardError):
 
     status_code = 503
     error_type = "agent_unreachable"
+    retryable = True
 
 
 class FileOperationFailed(OrchardError):

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from orchard.client.http import ApiClient
-from orchard.errors import AgentUnreachable, SandboxLost
+from orchard.errors import AgentUnreachable, OrchardError, SandboxLost
 from tests.images import free_port
 from tests.json_server import JsonServer
 
@@ -70,3 +70,39 @@ def test_connection_refused_is_retried_then_reported():
     url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     with pytest.raises(AgentUnreachable, match="Cannot connect"):
         call(ApiClient(url, retries=2))
+
+
+def test_deterministic_503s_are_not_retried_transient_ones_are():
+    """Every 503 used to be retried: one bad create through the server started a sandbox up
+    to 18 times. Errors now say whether they are worth retrying."""
+    for retryable, expected_calls in ((False, 1), (True, 4)):
+        body = {"detail": "x", "error": {"type": "RuntimeUnavailable" if not retryable else "AgentUnreachable",
+                                         "message": "x", "retryable": retryable}}
+        server = FlakyServer(failures=0, final_status=503, final_body=body)
+        try:
+            with pytest.raises(OrchardError):
+                call(ApiClient(server.url, retries=3))
+            assert server.calls == expected_calls, (retryable, server.calls)
+        finally:
+            server.close()
+
+
+def test_the_sdk_chooses_sandbox_ids_so_a_retried_create_makes_one_sandbox():
+    from orchard.client import Client
+
+    bodies = []
+
+    def answer(path: str, body: dict) -> tuple[int, dict]:
+        bodies.append(body)
+        if len(bodies) == 1:  # the first attempt's answer is lost on the way (a proxy says 503)
+            return 503, {"detail": "upstream went away"}
+        return 200, {"sandbox_id": body["sandbox_id"], "image": "host", "status": "ready", "ready": True}
+
+    server = JsonServer(answer)
+    try:
+        with Client(server.url, "key") as client:
+            sandbox = client.create("host")
+        assert len(bodies) == 2 and bodies[0]["sandbox_id"] == bodies[1]["sandbox_id"] == sandbox.id
+        assert sandbox.id.startswith("sbx-")
+    finally:
+        server.close()

@@ -13,22 +13,14 @@ import secrets
 from typing import Any, AsyncIterator, Optional, Union
 
 from orchard.backends.api import Backend
+from orchard.backends.loading import load_backend  # noqa: F401  (re-exported)
 from orchard.client.http import ApiClient, ScopedApi
-from orchard.errors import CommandFailed, ExecTimeout, InvalidRequest, SandboxLost
+from orchard.errors import CommandFailed, ExecTimeout, SandboxLost
 from orchard.models import FileEntry, Job, PatchResult, Sandbox, SandboxSpec
-from orchard.plugins import collect
 
 Command = Union[str, list[str]]
 HTTP_MARGIN = 30.0
 RAW_UPLOAD_THRESHOLD = 1 << 20
-
-
-def load_backend(name: str = "local", settings: Optional[dict[str, Any]] = None) -> Backend:
-    """Instantiate an installed backend by name with its own validated config."""
-    backends = collect("orchard_register_backends")
-    if name not in backends:
-        raise InvalidRequest(f"unknown backend {name!r}; installed: {', '.join(sorted(backends))}")
-    return backends[name].from_settings(settings)
 
 
 def _raise_for(job: Job) -> Job:
@@ -234,7 +226,9 @@ class AsyncClient:
 
     async def create(self, image: str = "host", **spec: Any) -> AsyncSandbox:
         """Create a sandbox and wait until it is ready (``async with`` it to clean up)."""
-        model = SandboxSpec(image=image, **spec)
+        # The id is chosen here, so a create retried after a dropped connection finds the
+        # sandbox its first attempt made instead of making a second one.
+        model = SandboxSpec(image=image, **{"sandbox_id": f"sbx-{secrets.token_hex(6)}", **spec})
         if self._remote is not None:
             info = Sandbox(**await self._remote.request("POST", "/sandboxes", json_body=model.model_dump(),
                                                         timeout=(model.timeout or 300) + HTTP_MARGIN))

@@ -37,6 +37,19 @@ def _tls_context() -> ssl.SSLContext:
 STREAM_ABOVE = 4 << 20  # larger bodies are sent in chunks
 
 
+def _worth_retrying(status: int, payload: bytes) -> bool:
+    """Our errors say whether they are worth retrying; a bare 502/503/504 (a proxy, a server
+    at its connection limit) is. A deterministic failure is never sent again: one bad create
+    used to start a sandbox up to 18 times through the server."""
+    if status not in TRANSIENT_STATUS:
+        return False
+    try:
+        error = json.loads(payload).get("error")
+    except (ValueError, AttributeError):
+        return True
+    return bool(error.get("retryable", True)) if isinstance(error, dict) else True
+
+
 async def _in_chunks(body: bytes, size: int = 1 << 20) -> AsyncIterator[bytes]:
     """A large body a piece at a time: handed over whole, aiohttp copies it into the
     transport's buffer at once, stalling this loop (and every other call on it) for
@@ -137,7 +150,7 @@ class ApiClient:
             else:
                 if status < 400:
                     return payload if raw_response else json.loads(payload)
-                if status not in TRANSIENT_STATUS or not idempotent or attempt >= self.retries:
+                if not _worth_retrying(status, payload) or not idempotent or attempt >= self.retries:
                     raise self._error(status, payload)
             attempt += 1
             await asyncio.sleep(min(2.0, 0.05 * 2 ** attempt) * (0.5 + random.random()))

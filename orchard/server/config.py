@@ -14,8 +14,8 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError
 
 from orchard.agent.settings import default_state_dir
 from orchard.backends.api import Backend
+from orchard.backends.loading import load_backend
 from orchard.errors import InvalidRequest
-from orchard.plugins import collect
 
 
 class BackendSection(BaseModel):
@@ -49,16 +49,7 @@ class ServerConfig(BaseModel):
     log_level: str = "info"
 
     def make_backend(self) -> Backend:
-        backends = collect("orchard_register_backends")
-        if self.backend.name not in backends:
-            raise InvalidRequest(f"backend.name: unknown backend {self.backend.name!r}; "
-                                 f"installed: {', '.join(sorted(backends))}")
-        cls = backends[self.backend.name]
-        try:
-            return cls(cls.config_model(**self.backend.settings))
-        except ValidationError as exc:
-            raise InvalidRequest("; ".join(
-                f"backend.settings.{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors())) from None
+        return load_backend(self.backend.name, self.backend.settings)
 
 
 def load_config(path: Optional[Path], overrides: dict[str, Any]) -> ServerConfig:

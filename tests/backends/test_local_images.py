@@ -14,8 +14,12 @@ from orchard.errors import FileOperationFailed, ImageRejected
 from tests.backends.test_local_isolation import host_uid_of
 from tests.images import Registry, busybox_rootfs, have_image_tools
 
-pytestmark = pytest.mark.skipif(not have_image_tools() and not os.environ.get("CI"),
-                                reason="needs docker-registry, umoci, skopeo, busybox-static (make system-deps)")
+@pytest.fixture(scope="module", autouse=True)
+def image_tools():
+    """Fail (never skip) without the image tools, as the Slurm tests do: make system-deps installs them."""
+    if not have_image_tools():
+        pytest.fail("needs docker-registry, umoci, skopeo and busybox-static: run `make system-deps` "
+                    "(apt-get install docker-registry umoci skopeo busybox-static)")
 
 
 @pytest.fixture(scope="module")

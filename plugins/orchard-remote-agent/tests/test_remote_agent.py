@@ -56,7 +56,9 @@ def test_backend_is_listed_with_its_distribution():
 def test_bad_config_names_the_key():
     from orchard.client.aio import load_backend
 
-    with pytest.raises(Exception, match="tokn"):
+    from orchard.errors import InvalidRequest
+
+    with pytest.raises(InvalidRequest, match="backend.settings.tokn: Extra inputs are not permitted"):
         load_backend("remote-agent", {"url": "http://127.0.0.1:1", "tokn": "x"})
 
 
