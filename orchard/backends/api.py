@@ -67,5 +67,9 @@ class Backend(ABC):
         """Capacity and usage, for ``GET /resources``."""
         return {}
 
+    async def maintain(self) -> None:
+        """Housekeeping the reconciler runs before each listing (warm pools, orphaned jobs,
+        idle capacity); reads (``list``, ``status``) never change anything themselves."""
+
     async def close(self) -> None:
         """Release clients and connections (sandboxes stay unless deleted)."""

@@ -68,6 +68,10 @@ class Reconciler:
                     log.warning("could not delete expired sandbox", extra={"fields": {
                         "sandbox_id": sandbox.sandbox_id, "error": str(exc)}})
         try:
+            await asyncio.wait_for(service.backend.maintain(), settings.list_timeout)
+        except Exception as exc:  # housekeeping failing must not stop the reconciliation
+            self._count("maintain_failed", error=f"{type(exc).__name__}: {exc}")
+        try:
             live = {s.sandbox_id: s for s in await asyncio.wait_for(service.backend.list(), settings.list_timeout)}
         except Exception as exc:  # never act on a failed or partial listing
             self._count("list_failed", error=f"{type(exc).__name__}: {exc}")

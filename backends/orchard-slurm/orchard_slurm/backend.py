@@ -96,12 +96,19 @@ class SlurmBackend(Backend):
                 pilot.idle_since = time.time()
             await self.pool.shrink()
 
-    async def list(self) -> list[Sandbox]:
+    async def maintain(self) -> None:
+        """Cancel orphaned jobs, keep ``min_pilots`` warm, end idle pilots."""
         await self.pool.adopt()
         await self.pool.refresh(force=True)
         await self.pool.cancel_orphans()
         async with self.pool.lock:
-            await self.pool.keep_warm()  # the reconciler lists soon after a service starts
+            await self.pool.keep_warm()  # the reconciler's first round comes soon after a service starts
+        await self.pool.shrink()
+
+    async def list(self) -> list[Sandbox]:
+        """What runs, read from Slurm and the agents (submits and cancels nothing)."""
+        await self.pool.adopt()
+        await self.pool.refresh(force=True)
         found: list[Sandbox] = []
         for pilot in list(self.pool.pilots.values()):
             if pilot.alive and pilot.api is not None:
@@ -109,7 +116,6 @@ class SlurmBackend(Backend):
                 found += [Sandbox(**{**item, "backend": self.name}) for item in body["sandboxes"]]
             elif not pilot.alive:
                 found += [self._lost(sandbox_id, pilot) for sandbox_id in sorted(pilot.sandboxes)]
-        await self.pool.shrink()
         return found
 
     async def status(self, sandbox_id: str) -> Sandbox:

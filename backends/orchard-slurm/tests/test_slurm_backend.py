@@ -123,6 +123,8 @@ def test_a_restarted_service_adopts_its_pilots_and_cancels_orphans_but_not_other
         restarted = SlurmBackend.from_settings(settings)
         listed = {s.sandbox_id for s in await restarted.list()}
         assert kept.sandbox_id in listed and orphaned.sandbox_id not in listed
+        assert restarted.pool.orphans_cancelled == 0  # reading cancels nothing ...
+        await restarted.maintain()  # ... the reconciler's housekeeping does
         assert restarted.pool.orphans_cancelled == 1
         assert (await exec_on(restarted, kept.sandbox_id, "echo adopted"))["stdout"] == "adopted\n"
         states = await slurm_job_states([orphan_pilot.job_id])
@@ -181,7 +183,8 @@ def test_min_pilots_are_one_job_array_kept_warm(slurm_cluster):
 
     async def scenario() -> None:
         backend = SlurmBackend.from_settings(settings)
-        assert await backend.list() == []  # what the reconciler does first: the warm pool is submitted
+        assert await backend.list() == [] and backend.pool.pilots_submitted == 0  # a read submits nothing
+        await backend.maintain()  # what the reconciler does first: the warm pool is submitted
         warm = list(backend.pool.pilots.values())
         assert len(warm) == 2 and len({p.job_id.split("_")[0] for p in warm}) == 1  # one array, two tasks
         assert all("_" in p.job_id for p in warm)
