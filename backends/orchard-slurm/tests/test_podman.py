@@ -69,3 +69,9 @@ def test_podman_images_pass_the_image_policy(podman):
     for image in ("/etc", "docker://evil.example/steal:latest"):
         with pytest.raises(ImageRejected, match="refused by policy"):
             client.create(image)
+
+
+def test_a_disk_quota_podman_cannot_enforce_is_refused_not_dropped(podman):
+    client, image = podman
+    with pytest.raises(InvalidRequest, match="disk"):
+        client.create(image, disk="1Gi")

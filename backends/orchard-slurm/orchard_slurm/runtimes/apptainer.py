@@ -125,6 +125,12 @@ class ApptainerRuntime(IsolationRuntime):
         name = instance_name(sandbox.sandbox_id)
         placement = Placement(root="", env={"PATH": DEFAULT_PATH, "HOME": "/root", **spec.env}, default_cwd="/")
         sandbox.placement = placement
+        if spec.disk:  # limits it cannot enforce are refused, never silently dropped
+            raise InvalidRequest("disk: the apptainer runtime cannot enforce a disk quota on its overlay directory; "
+                                 "leave disk unset or use the bwrap or charliecloud runtime")
+        if (spec.memory or spec.pids or spec.cpu) and not self.context.cgroups.available:
+            raise InvalidRequest("memory/pids/cpu: no cgroup hierarchy is writable for this agent, so the apptainer "
+                                 "runtime cannot enforce them; leave them unset or run the pilot where it can")
         if self.context.cgroups.available and (spec.memory or spec.pids or spec.cpu):
             sandbox.cgroup = self.context.cgroups.create(sandbox.sandbox_id, optional_bytes(spec.memory), spec.pids,
                                                          parse_cpu(spec.cpu) if spec.cpu else None)

@@ -163,6 +163,9 @@ class PodmanRuntime(IsolationRuntime):
 
     async def start(self, sandbox: SandboxState) -> None:
         settings, spec = self.context.settings, sandbox.spec
+        if spec.disk:  # refused, never silently dropped
+            raise InvalidRequest("disk: the podman runtime cannot enforce a disk quota here (its overlay storage "
+                                 "has none); leave disk unset or use the bwrap or charliecloud runtime")
         image = await self._image(spec.image)
         idmap = self.context.images.owner  # the agent's first host ids (root agents), else None
         placement = Placement(root="", uid=0, gid=0,
