@@ -109,8 +109,8 @@ def _live_claims() -> list[tuple[int, int]]:
     live = []
     for path in CLAIMS_DIR.glob("*.claim"):
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        except FileNotFoundError:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
             continue
         try:
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
@@ -129,8 +129,10 @@ def claim_host_ids(uid: int, gid: int, count: int, search: int = 1) -> tuple[int
     ``search`` > 1 the next ranges of the same size are tried when one is taken or clashes
     with an account. Returns (uid, gid, the claim's fd: keep it open)."""
     try:
-        CLAIMS_DIR.mkdir(parents=True, exist_ok=True)
-        guard = open(CLAIMS_DIR / ".guard", "w")
+        CLAIMS_DIR.mkdir(mode=0o700, parents=True, exist_ok=True)
+        os.chmod(CLAIMS_DIR, 0o700)  # only root agents claim: no user may lock a claim or the guard
+        guard = os.fdopen(os.open(CLAIMS_DIR / ".guard", os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
+                                  0o600), "w")
     except OSError as exc:  # a read-only /run (inside a container): no other agent shares it
         clashes = clashing_accounts(uid, gid, count)
         if clashes:
@@ -139,7 +141,15 @@ def claim_host_ids(uid: int, gid: int, count: int, search: int = 1) -> tuple[int
         log.warning("cannot claim host ids under %s (%s): assuming this agent is alone here", CLAIMS_DIR, exc)
         return uid, gid, os.open("/dev/null", os.O_RDONLY | os.O_CLOEXEC)
     with guard:
-        fcntl.flock(guard, fcntl.LOCK_EX)
+        deadline = time.monotonic() + 30
+        while True:  # never wait forever on whoever holds the guard
+            try:
+                fcntl.flock(guard, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise OSError(f"{CLAIMS_DIR}/.guard stayed locked for 30 s") from None
+                time.sleep(0.05)
         live = _live_claims()
         uids, gids = _machine_ids()
         reasons = []
@@ -152,7 +162,8 @@ def claim_host_ids(uid: int, gid: int, count: int, search: int = 1) -> tuple[int
                                + ", ".join([*(f"held by another agent ({s}..{s + c - 1})" for s, c in taken),
                                             *clashes][:3]))
                 continue
-            fd = os.open(CLAIMS_DIR / f"{start_uid}-{count}.claim", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            fd = os.open(CLAIMS_DIR / f"{start_uid}-{count}.claim",
+                         os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
             fcntl.flock(fd, fcntl.LOCK_EX)
             os.write(fd, f"{os.getpid()}\n".encode())
             return start_uid, start_gid, fd

@@ -9,6 +9,7 @@ beside it with mode 0600.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import logging
 import os
@@ -47,6 +48,10 @@ def serve(settings: AgentSettings, uds: Optional[Path] = None, host: str = "127.
     listening socket handed over by whoever started us (a per-job Slurm job), so no socket
     path exists where the sandbox could replace it."""
     settings.make_dirs()
+    if settings.runtime == "direct":  # commands run as we do: they must not ptrace us or take our fds
+        ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE 0
+    if fd is not None:
+        os.set_inheritable(fd, False)  # the listening socket stays ours, never a command's
     token = load_or_create_token(settings)
     service = AgentService(settings)
     app = create_app(service, token)

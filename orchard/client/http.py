@@ -21,7 +21,7 @@ from urllib.parse import urlencode
 
 import aiohttp
 
-from orchard.errors import AgentUnreachable, OrchardError, error_from_body
+from orchard.errors import AgentUnreachable, InternalError, OrchardError, error_from_body
 
 TRANSIENT_STATUS = {502, 503, 504}
 TRANSIENT_ERRORS = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError)
@@ -35,6 +35,26 @@ def _tls_context() -> ssl.SSLContext:
 
 
 STREAM_ABOVE = 4 << 20  # larger bodies are sent in chunks
+MAX_JSON_ANSWER = 64 << 20  # an agent (in per-job mode, beside hostile code) must not make us hold more
+
+
+async def _read_capped(response: aiohttp.ClientResponse, cap: Optional[int], where: str) -> bytes:
+    if cap is None:
+        return await response.read()
+    chunks, size = [], 0
+    async for chunk in response.content.iter_chunked(1 << 20):
+        size += len(chunk)
+        if size > cap:
+            raise InternalError(f"{where}: answered more than {cap} bytes; refused")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _parse(payload: bytes, where: str) -> Any:
+    try:
+        return json.loads(payload)
+    except (ValueError, RecursionError):
+        raise InternalError(f"{where}: answered something that is no JSON we can read") from None
 
 
 def _worth_retrying(status: int, payload: bytes) -> bool:
@@ -140,7 +160,8 @@ class ApiClient:
             try:
                 payload = _in_chunks(body) if isinstance(body, bytes) and len(body) > STREAM_ABOVE else body
                 async with session.request(method, url, data=payload, headers=all_headers, timeout=limits) as response:
-                    status, payload = response.status, await response.read()
+                    status, payload = response.status, await _read_capped(response, None if raw_response else
+                                                                           MAX_JSON_ANSWER, f"{self.url}{path}")
             except asyncio.TimeoutError as exc:
                 if not idempotent or attempt >= self.retries:
                     raise AgentUnreachable(f"{self.url}{path}: timed out ({type(exc).__name__})") from None
@@ -149,7 +170,7 @@ class ApiClient:
                     raise AgentUnreachable(f"{self.url}{path}: {type(exc).__name__}: {exc}") from None
             else:
                 if status < 400:
-                    return payload if raw_response else json.loads(payload)
+                    return payload if raw_response else _parse(payload, f"{self.url}{path}")
                 if not _worth_retrying(status, payload) or not idempotent or attempt >= self.retries:
                     raise self._error(status, payload)
             attempt += 1

@@ -15,6 +15,7 @@ when its sandbox is deleted) whose container runs the agent from the agent bundl
 from __future__ import annotations
 
 import asyncio
+import logging
 import secrets
 import shutil
 import time
@@ -22,10 +23,12 @@ from pathlib import Path
 from typing import Any, Optional
 
 from orchard.backends.api import AgentEndpoint, Backend
-from orchard.errors import AgentUnreachable, BackendUnavailable, InvalidRequest, SandboxLost
+from orchard.errors import AgentUnreachable, BackendUnavailable, InvalidRequest, OrchardError, SandboxLost
 from orchard.models import Sandbox, SandboxSpec
 from orchard_slurm.config import SlurmConfig
 from orchard_slurm.pool import Pilot, PilotPool
+
+log = logging.getLogger("orchard.slurm")
 
 
 class SlurmBackend(Backend):
@@ -112,11 +115,27 @@ class SlurmBackend(Backend):
         found: list[Sandbox] = []
         for pilot in list(self.pool.pilots.values()):
             if pilot.alive and pilot.api is not None:
-                body = await pilot.api.request("GET", "/sandboxes")
-                found += [Sandbox(**{**item, "backend": self.name}) for item in body["sandboxes"]]
+                found += await self._listed_by(pilot)
             elif not pilot.alive:
                 found += [self._lost(sandbox_id, pilot) for sandbox_id in sorted(pilot.sandboxes)]
         return found
+
+    async def _listed_by(self, pilot: Pilot) -> list[Sandbox]:
+        """What one agent says it hosts, believed only for sandboxes placed on it: a per-job
+        agent shares its container with hostile code and could claim (or report lost) a
+        neighbour's sandbox. An agent whose answer cannot be read keeps its sandboxes as they
+        were, rather than failing the whole listing."""
+        try:
+            body = await pilot.api.request("GET", "/sandboxes")  # type: ignore[union-attr]
+            items = [Sandbox(**{**item, "backend": self.name}) for item in body["sandboxes"]]
+        except (OrchardError, ValueError, TypeError, KeyError, RecursionError) as exc:
+            log.warning("pilot %s answered its listing unreadably: %s", pilot.pilot_id, exc)
+            return [Sandbox(sandbox_id=sandbox_id, image="", status="ready", ready=True, backend=self.name)
+                    for sandbox_id in sorted(pilot.sandboxes)]
+        strangers = [item.sandbox_id for item in items if self.pool.owner.get(item.sandbox_id) != pilot.pilot_id]
+        if strangers:
+            log.warning("pilot %s listed sandboxes placed elsewhere (ignored): %s", pilot.pilot_id, strangers[:5])
+        return [item for item in items if self.pool.owner.get(item.sandbox_id) == pilot.pilot_id]
 
     async def status(self, sandbox_id: str) -> Sandbox:
         await self.pool.adopt()

@@ -173,10 +173,11 @@ async def _run(job: SandboxJob) -> None:
             raise
         root, writable, mounts = prepare_root(job, image, work, ids)
         token = secrets.token_urlsafe(32)
-        prefix: list[str] = []
-        if os.geteuid() == 0:  # never run the container as real root
-            assert ids is not None
-            prefix = [str(Path(job.bundle) / "bin" / "orchard-enter"), "--uid", str(ids[0]), "--gid", str(ids[1]), "--"]
+        # Dies with this job's process however it ends (kill -9 too), and never as real root.
+        prefix = [str(Path(job.bundle) / "bin" / "orchard-enter"), "--die-with-parent"]
+        if ids is not None:
+            prefix += ["--uid", str(ids[0]), "--gid", str(ids[1])]
+        prefix.append("--")
         env = {"PATH": DEFAULT_PATH, "HOME": "/root", "USER": "orchard", **image.env,
                "ORCHARD_AGENT_TOKEN": token}
         if image.workdir:

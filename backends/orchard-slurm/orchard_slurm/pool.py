@@ -18,7 +18,7 @@ from typing import Any, Optional
 
 from orchard.client.http import ApiClient
 from orchard.agent.runtimes.mounts import remove_tree
-from orchard.errors import BackendUnavailable, ImageRejected, OrchardError, SandboxNotFound
+from orchard.errors import BackendUnavailable, ImageRejected, InvalidRequest, OrchardError, SandboxNotFound
 from orchard.models import SandboxSpec
 from orchard.plugins import verify_image
 from orchard_slurm import slurm
@@ -134,6 +134,10 @@ class PilotPool:
         reason = verify_image(spec.image, self.config.image_policy())
         if reason:
             raise ImageRejected(f"image {spec.image!r} refused by policy: {reason}")
+        asked = [name for name in ("memory", "pids", "cpu", "disk") if getattr(spec, name)]
+        if asked:  # refused before anything is submitted, not after (with a job left running)
+            raise InvalidRequest(f"{', '.join(asked)}: a per-job sandbox has its Slurm job's resources "
+                                 "(cpus_per_pilot, mem_per_pilot_gb); per-sandbox limits are not applied in this mode")
         pilot_id, directory = self._new_directory()
         cache = self.config.image_cache_dir or self.config.shared_dir / "image-cache"
         call = (run_sandbox_job, SandboxJob(str(directory), str(spec.sandbox_id), spec.image, self.config.runtime,
@@ -141,7 +145,7 @@ class PilotPool:
                                             str(cache), self.config.image_policy(), self.config.host_id_settings()))
         submitted_at = time.time()
         job = await asyncio.to_thread(self.executor().submit, *call)
-        return self._track(pilot_id, directory, str(job.job_id), submitted_at)
+        return self._track(pilot_id, directory, str(job.job_id), submitted_at, str(spec.sandbox_id))
 
     async def submit_pilots(self, count: int) -> list[Pilot]:
         """Submit ``count`` pilots: one job, or one job array of ``count`` tasks."""
@@ -160,11 +164,15 @@ class PilotPool:
         return [self._track(pilot_id, directory, str(job.job_id), submitted_at)
                 for (pilot_id, directory), job in zip(made, jobs)]
 
-    def _track(self, pilot_id: str, directory: Path, job_id: str, submitted_at: float) -> Pilot:
+    def _track(self, pilot_id: str, directory: Path, job_id: str, submitted_at: float,
+               sandbox_id: Optional[str] = None) -> Pilot:
+        """Record a submitted job; a per-job job's record names its one sandbox, which is all
+        a restarted service will believe its agent about."""
         pilot = Pilot(pilot_id, job_id, directory, submitted_at, self.config.time_limit_minutes * 60.0)
         self.pilots_submitted += 1
         (directory / "pilot.json").write_text(json.dumps({"job_id": pilot.job_id, "submitted_at": pilot.submitted_at,
-                                                          "time_limit_seconds": pilot.time_limit_seconds}))
+                                                          "time_limit_seconds": pilot.time_limit_seconds,
+                                                          "sandbox_id": sandbox_id}))
         self.pilots[pilot_id] = pilot
         asyncio.get_running_loop().create_task(self._await_agent(pilot))
         return pilot
@@ -253,9 +261,14 @@ class PilotPool:
             self._connect(pilot, json.loads(info.read_text()), token.read_text().strip())
             pilot.ready.set()
             self.pilots[pilot.pilot_id] = pilot
+            expected = data.get("sandbox_id")  # per-job: the one sandbox its job was submitted for
             for item in (await pilot.api.request("GET", "/sandboxes"))["sandboxes"]:
-                pilot.sandboxes.add(item["sandbox_id"])
-                self.owner[item["sandbox_id"]] = pilot.pilot_id
+                sandbox_id = item.get("sandbox_id")
+                if not isinstance(sandbox_id, str) or (expected is not None and sandbox_id != expected) \
+                        or sandbox_id in self.owner:
+                    continue  # an agent is believed only about its own sandboxes
+                pilot.sandboxes.add(sandbox_id)
+                self.owner[sandbox_id] = pilot.pilot_id
 
     async def bundle(self) -> Path:
         """Per-job mode: the agent bundle the containers run, built once into the shared directory."""

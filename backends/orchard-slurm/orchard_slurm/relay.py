@@ -11,6 +11,7 @@ token) and closes connections that do not send a request head in time.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import socket
 from pathlib import Path
@@ -20,6 +21,7 @@ from orchard.agent.tokens import PREFIX, token_matches
 
 HEAD_LIMIT = 16 << 10  # a request head larger than this is no request of ours
 HEAD_DEADLINE = 5.0  # seconds an unauthenticated connection may stay open
+MAX_UNAUTHENTICATED = 256  # connections still owing their request head; more are closed at once
 _REFUSED = (b"HTTP/1.1 401 Unauthorized\r\ncontent-type: application/json\r\nconnection: close\r\n"
             b"content-length: %d\r\n\r\n%s")
 
@@ -48,6 +50,7 @@ class Relay:
         self.token = token
         self.sandbox_id = sandbox_id
         self._incarnation: Optional[str] = None
+        self._pending = 0  # connections that have not shown a key yet
 
     async def start(self, host: str) -> asyncio.AbstractServer:
         return await asyncio.start_server(self._connect, host, 0, limit=HEAD_LIMIT)
@@ -69,7 +72,7 @@ class Relay:
     async def _allowed(self, key: Optional[str]) -> bool:
         if key is None:
             return False
-        if key == self.token:
+        if hmac.compare_digest(key.encode(), self.token.encode()):
             return True
         if not key.startswith(PREFIX):
             return False
@@ -82,11 +85,17 @@ class Relay:
         return self._incarnation is not None and token_matches(key, self.token, self.sandbox_id, self._incarnation)
 
     async def _connect(self, client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter) -> None:
+        if self._pending >= MAX_UNAUTHENTICATED:  # a flood of silent connections must not exhaust our fds
+            client_writer.close()
+            return
+        self._pending += 1
         try:
             head = await asyncio.wait_for(client_reader.readuntil(b"\r\n\r\n"), HEAD_DEADLINE)
         except (asyncio.TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError):
             client_writer.close()
             return
+        finally:
+            self._pending -= 1
         if not await self._allowed(api_key(head)):
             body = b'{"detail":"missing or wrong X-API-Key","error":{"type":"AuthenticationFailed",' \
                    b'"message":"missing or wrong X-API-Key"}}'

@@ -107,8 +107,9 @@ def test_each_sandbox_has_a_private_minimal_dev_and_shm(charliecloud):
         first.exec("echo secret > /dev/shm/orchard-shm-probe")
         assert second.exec("cat /dev/shm/orchard-shm-probe 2>/dev/null || echo unseen").stdout == "unseen\n"
         assert not Path("/dev/shm/orchard-shm-probe").exists()
-        cgroups = first.exec("cat /proc/self/cgroup").stdout
-        assert second.id not in cgroups and first.id not in cgroups  # its own cgroup namespace
+        cgroups = first.exec("cat /proc/self/cgroup; ls -R /sys/fs/cgroup /sys/class/net 2>/dev/null").stdout
+        assert second.id not in cgroups and first.id not in cgroups  # its own cgroup namespace, the tree hidden
+        assert first.exec("ls /sys/fs/cgroup | wc -l").stdout.strip() == "0"
 
 
 def test_sandboxes_die_with_a_hard_killed_pilot_and_leave_no_mounts(slurm_cluster):

@@ -154,3 +154,21 @@ def test_each_per_job_sandbox_runs_as_a_host_uid_of_its_own(per_job):
         uids = agent_host_uids()
         base = SlurmConfig.model_fields["host_uid"].default
         assert len(uids) >= 2 and all(base < uid < base + 65536 for uid in uids)
+
+
+def test_limits_a_per_job_sandbox_cannot_have_are_refused_before_submitting(per_job):
+    """memory="512M" used to submit a job, answer 429, and leave the job running."""
+    client, image, job_name, _ = per_job
+    before = live_jobs(job_name)
+    with pytest.raises(InvalidRequest, match="memory"):
+        client.create(image, memory="512M")
+    assert live_jobs(job_name) == before
+
+
+def test_per_job_commands_do_not_inherit_the_agents_socket(per_job):
+    """fd 3, the agent's listening socket, reached every command: one took it over and
+    answered the relay as the agent, collecting the master key."""
+    client, image, _, _ = per_job
+    with client.create(image) as sandbox:
+        fds = sandbox.exec("for f in /proc/$$/fd/*; do readlink $f; done").stdout
+        assert "socket:" not in fds, fds

@@ -29,7 +29,7 @@ static const int denied_syscalls[] = {
     __NR_keyctl, __NR_lookup_dcookie, __NR_mount, __NR_move_mount, __NR_name_to_handle_at, __NR_open_by_handle_at,
     __NR_open_tree, __NR_perf_event_open, __NR_pivot_root, __NR_quotactl, __NR_reboot, __NR_request_key,
     __NR_setns, __NR_settimeofday, __NR_swapoff, __NR_swapon, __NR_umount2, __NR_unshare, __NR_userfaultfd,
-    __NR_adjtimex, __NR_syslog, __NR_kcmp, __NR_mount_setattr, __NR_quotactl_fd,
+    __NR_adjtimex, __NR_syslog, __NR_kcmp, __NR_mount_setattr, __NR_quotactl_fd, __NR_pidfd_getfd,
 #if defined(__x86_64__)
     __NR_create_module, __NR_get_kernel_syms, __NR_ioperm, __NR_iopl, __NR_nfsservctl, __NR_query_module,
     __NR_sysfs, __NR__sysctl, __NR_uselib, __NR_ustat, __NR_vhangup,

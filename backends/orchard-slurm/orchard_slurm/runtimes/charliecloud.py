@@ -31,9 +31,10 @@ CH_RUN_FILES = ("etc/hosts", "etc/resolv.conf", "etc/passwd", "etc/group")
 
 
 # ch-run binds the host's /dev (block devices, /dev/kvm, /dev/fuse, and a /dev/shm shared
-# with every user of the node). In the mount namespace unshare made, this puts a private,
-# minimal /dev in its place first (a tmpfs with the usual character devices bound in and
-# a /dev/shm of its own), then drops the capabilities it needed and runs ch-run.
+# with every user of the node) and /sys. In the mount namespace unshare made, this puts a
+# private, minimal /dev in its place first (a tmpfs with the usual character devices bound
+# in and a /dev/shm of its own), hides the node's cgroup tree and network interfaces under
+# empty read-only tmpfs, then drops the capabilities it needed and runs ch-run.
 MINIMAL_DEV = """set -e
 d="$1"; shift
 mount -n -t tmpfs -o mode=0755,nosuid,size=64k tmpfs "$d"
@@ -43,6 +44,9 @@ mount -n -t tmpfs -o mode=1777,nosuid,nodev tmpfs "$d/shm"
 ln -s /proc/self/fd "$d/fd"; ln -s /proc/self/fd/0 "$d/stdin"
 ln -s /proc/self/fd/1 "$d/stdout"; ln -s /proc/self/fd/2 "$d/stderr"
 mount -n --move "$d" /dev
+for hidden in /sys/fs/cgroup /sys/class/net; do  # other sandboxes' cgroups, the host's interfaces
+  [ -d "$hidden" ] && mount -n -t tmpfs -o ro,mode=0555,size=4k tmpfs "$hidden"
+done
 exec setpriv --inh-caps=-all --ambient-caps=-all -- "$@"
 """
 
