@@ -75,6 +75,8 @@ class SlurmBackend(Backend):
             pilot.sandboxes.discard(sandbox_id)
             self.pool.owner.pop(sandbox_id, None)
             pilot.idle_since = time.time()
+            if self.config.mode == "per-job":  # its job exists for this sandbox alone: end it, leave nothing
+                await self.pool.cancel_pilot(pilot)
             raise
 
     async def _create_on(self, pilot: Pilot, spec: SandboxSpec) -> Sandbox:

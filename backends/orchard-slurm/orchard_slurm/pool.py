@@ -320,6 +320,14 @@ class PilotPool:
                 pilot.state = "CANCELLED"
                 await self.forget(pilot)
 
+    async def cancel_pilot(self, pilot: Pilot) -> None:
+        """End one job now (a per-job sandbox that failed to start) and forget it."""
+        try:
+            await slurm.cancel(pilot.job_id)
+        finally:
+            pilot.state = "CANCELLED"
+            await self.forget(pilot)
+
     async def forget(self, pilot: Pilot) -> None:
         self.pilots.pop(pilot.pilot_id, None)
         if pilot.api is not None:

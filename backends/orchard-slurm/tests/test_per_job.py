@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from orchard.agent.tokens import sandbox_token
-from orchard.errors import InvalidRequest
+from orchard.errors import InvalidRequest, OrchardError
 from orchard_slurm.config import SlurmConfig
 from slurm_testing import slurm_client, slurm_settings, squeue_jobs
 from tests.images import busybox_rootfs
@@ -172,3 +172,14 @@ def test_per_job_commands_do_not_inherit_the_agents_socket(per_job):
     with client.create(image) as sandbox:
         fds = sandbox.exec("for f in /proc/$$/fd/*; do readlink $f; done").stdout
         assert "socket:" not in fds, fds
+
+
+def test_a_per_job_sandbox_that_fails_to_start_leaves_no_job(per_job):
+    client, _, job_name, _ = per_job
+    before = live_jobs(job_name)
+    with pytest.raises(OrchardError):
+        client.create("docker://127.0.0.1:9/nothing-listens-here:latest", timeout=60)
+    deadline = time.monotonic() + 20
+    while live_jobs(job_name) != before and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert live_jobs(job_name) == before
