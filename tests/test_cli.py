@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 import subprocess
 import sys
 
@@ -19,9 +20,17 @@ def orchard(*args: str, env_state: str, check: bool = True) -> subprocess.Comple
     return result
 
 
-@pytest.fixture
-def state(agent_settings):
-    return str(agent_settings.state_dir)
+@pytest.fixture(scope="module")
+def state():
+    """An agent of its own: the CLI starts it with its default settings, which must not become
+    the settings other test modules' sandboxes get from the shared session agent."""
+    from orchard.agent.settings import AgentSettings
+    from orchard.backends.local.launcher import stop_agent
+
+    path = Path(f"/tmp/orchard-cli-{os.getpid()}")
+    yield str(path)
+    stop_agent(AgentSettings(state_dir=path))
+    subprocess.run(["rm", "-rf", str(path)])
 
 
 def test_sandbox_create_exec_ls_rm(state):

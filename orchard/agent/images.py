@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Literal, Optional
 
 from orchard.agent.reaper import ChildReaper, run_tool
+from orchard.agent.runtimes.mounts import system_binds
 from orchard.errors import ImageRejected, RuntimeUnavailable
 from orchard.plugins import verify_image
 
@@ -124,16 +125,10 @@ class ImageStore:
             os.close(pinned)
 
     async def _confined_cp(self, pinned: int, target: Path, env: dict[str, str]) -> tuple[int, str, str]:
-        system = []
-        for name in ("/usr", "/bin", "/sbin", "/lib", "/lib64", "/lib32", "/libx32"):
-            if os.path.islink(name):
-                system += ["--symlink", os.readlink(name), name]
-            elif os.path.isdir(name):
-                system += ["--ro-bind", name, name]
         # Root without a user namespace, keeping only the right to read any file (images may
         # hold root-only files); ownership is not kept: the tree is chowned to its owner next.
         argv = ["bwrap", "--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts", "--die-with-parent",
-                "--cap-add", "CAP_DAC_READ_SEARCH", "--tmpfs", "/", *system, "--ro-bind", "/proc/self/fd/3", "/src",
+                "--cap-add", "CAP_DAC_READ_SEARCH", "--tmpfs", "/", *system_binds(), "--ro-bind", "/proc/self/fd/3", "/src",
                 "--bind", str(target), "/dst", "--", "cp", "-R", "-P", "--preserve=mode,timestamps,links",
                 "/src/.", "/dst/"]
         code, out, err = await run_tool(self.reaper, argv, env, pass_fds={pinned: 3})

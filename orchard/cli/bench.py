@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 from pathlib import Path
-from typing import Optional
+from typing import Any, Awaitable, Callable, Optional
 
 import click
 from rich.table import Table
@@ -36,18 +36,27 @@ def sandboxes(sandboxes: int, commands: int, concurrency: int, command: str, ima
               output: Optional[Path], direct: bool, url: Optional[str], api_key: Optional[str], backend: str) -> None:
     """Create N sandboxes concurrently, run M commands in each, delete them."""
     from orchard.bench.sandboxes import run
-    from orchard.client.aio import AsyncClient
 
-    async def main() -> dict:
-        async with AsyncClient(url, api_key, backend=None if url else backend, direct=direct) as client:
-            return await run(client, sandboxes, commands, concurrency, command, image, latency_samples)
-
-    result = asyncio.run(main())
+    result = with_client(url, api_key, backend,
+                         lambda client: run(client, sandboxes, commands, concurrency, command, image, latency_samples),
+                         direct=direct)
     report(result, f"orchard bench sandboxes -n {sandboxes} -m {commands} -c {concurrency}", output)
     for failure in result["failures"]:
         out.print(f"[red]failure[/red] {failure}")
     if result["succeeded"] != sandboxes:
         raise SystemExit(1)
+
+
+def with_client(url: Optional[str], api_key: Optional[str], backend: str,
+                work: Callable[[Any], Awaitable[dict]], **options: Any) -> dict:
+    """Run ``work(client)`` on an AsyncClient (the server at ``url``, else ``backend`` in process)."""
+    from orchard.client.aio import AsyncClient
+
+    async def main() -> dict:
+        async with AsyncClient(url, api_key, backend=None if url else backend, **options) as client:
+            return await work(client)
+
+    return asyncio.run(main())
 
 
 def report(result: dict, title: str, output: Optional[Path]) -> None:
@@ -74,13 +83,9 @@ def noisy(quiet: int, flood_mb: int, upload_mb: int, rounds: int, output: Option
           api_key: Optional[str], backend: str) -> None:
     """Exec latency of quiet sandboxes while one floods output and one uploads a large file."""
     from orchard.bench.noisy import run
-    from orchard.client.aio import AsyncClient
 
-    async def main() -> dict:
-        async with AsyncClient(url, api_key, backend=None if url else backend) as client:
-            return await run(client, quiet, flood_mb * 10**6, upload_mb * 10**6, rounds)
-
-    report(asyncio.run(main()), f"orchard bench noisy --quiet {quiet} --flood-mb {flood_mb} --upload-mb {upload_mb} "
+    report(with_client(url, api_key, backend, lambda client: run(client, quiet, flood_mb * 10**6,
+                                                                 upload_mb * 10**6, rounds)), f"orchard bench noisy --quiet {quiet} --flood-mb {flood_mb} --upload-mb {upload_mb} "
             f"--rounds {rounds}", output)
 
 
@@ -96,13 +101,8 @@ def files(samples: int, size: int, output: Optional[Path], url: Optional[str], a
           backend: str) -> None:
     """Latency of upload, download and list (each run inside the sandbox) next to exec true's."""
     from orchard.bench.files import run
-    from orchard.client.aio import AsyncClient
 
-    async def main() -> dict:
-        async with AsyncClient(url, api_key, backend=None if url else backend) as client:
-            return await run(client, samples, size)
-
-    report(asyncio.run(main()), f"orchard bench files --samples {samples} --size {size}", output)
+    report(with_client(url, api_key, backend, lambda client: run(client, samples, size)), f"orchard bench files --samples {samples} --size {size}", output)
 
 
 @bench.command("bar")

@@ -21,12 +21,12 @@ from orchard.agent.inroot import exists_in_root
 from orchard.agent.runtimes.api import DEFAULT_PATH, IsolationRuntime
 from orchard.agent.runtimes.holder import HOLD_ARGS, launcher_prefix, limit, spawn_holder, stop_held
 from orchard.agent.runtimes.layers import image_workdir, writable_root
+from orchard.agent.runtimes.mounts import system_binds
 from orchard.agent.sandbox import Placement, SandboxState
 from orchard.quantities import optional_bytes
 
-# Read-only host paths the ``host`` image exposes; nothing else of the host is visible.
-# Of /etc only an allow-list is copied (see build_host_etc), and bound with a single mount.
-HOST_SYSTEM_PATHS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
+# The ``host`` image shows the system directories (mounts.system_binds) and, of /etc, only an
+# allow-list, copied (see build_host_etc) and bound with a single mount.
 HOST_ETC_ALLOWLIST = (
     "alternatives", "bash.bashrc", "ca-certificates", "ca-certificates.conf", "debian_version", "environment",
     "gai.conf", "gitconfig", "host.conf", "inputrc", "ld.so.cache", "ld.so.conf", "ld.so.conf.d", "localtime", "login.defs",
@@ -109,12 +109,7 @@ class BwrapRuntime(IsolationRuntime):
         args: list[str] = []
         if disk:
             args += ["--size", str(disk)]
-        args += ["--tmpfs", "/"]
-        for path in HOST_SYSTEM_PATHS:
-            if os.path.islink(path):
-                args += ["--symlink", os.readlink(path), path]
-            elif os.path.isdir(path):
-                args += ["--ro-bind", path, path]
+        args += ["--tmpfs", "/", *system_binds()]
         for path in self.context.settings.host_paths:
             args += ["--ro-bind-try", path, path]
         args += ["--ro-bind", str(self.context.settings.share_dir / "etc"), "/etc"]  # one mount, built at start

@@ -15,6 +15,23 @@ _ESCAPED = re.compile(r"\\([0-7]{3})")  # mountinfo writes space, tab, newline, 
 log = logging.getLogger("orchard.agent")
 
 
+# Read-only host system directories a bubblewrap root may show (the ``host`` image, and the
+# confined copy of a directory image); nothing else of the host.
+HOST_SYSTEM_PATHS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
+
+
+def system_binds() -> list[str]:
+    """bubblewrap arguments showing the host's system directories read-only (merged-/usr
+    symlinks as symlinks)."""
+    args: list[str] = []
+    for path in HOST_SYSTEM_PATHS:
+        if os.path.islink(path):
+            args += ["--symlink", os.readlink(path), path]
+        elif os.path.isdir(path):
+            args += ["--ro-bind", path, path]
+    return args
+
+
 def mount(source: str, target: Path, fstype: str, options: str) -> None:
     if _libc.mount(source.encode(), str(target).encode(), fstype.encode(), 0, options.encode()) != 0:
         err = ctypes.get_errno()
