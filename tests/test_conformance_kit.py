@@ -33,7 +33,7 @@ def broken_client(cls: type[LocalBackend], agent_settings) -> Client:
 def test_a_backend_that_ignores_block_network_fails_the_kit(agent_settings, host_listener):  # noqa: F811
     with broken_client(NetworkIgnoringBackend, agent_settings) as client:
         with pytest.raises(AssertionError):
-            isolation.test_a_blocked_sandbox_reaches_no_network_not_even_host_loopback(client, host_listener)
+            isolation.test_a_blocked_sandbox_reaches_no_network_not_even_host_loopback(client, host_listener, "host")
 
 
 # (The CPU check bounds use from above only: against an unlimited sandbox it passes when the
@@ -42,4 +42,12 @@ def test_a_backend_that_ignores_block_network_fails_the_kit(agent_settings, host
 def test_a_backend_that_ignores_limits_fails_the_kit(agent_settings, check):
     with broken_client(LimitIgnoringBackend, agent_settings) as client:
         with pytest.raises(AssertionError):
-            check(client)
+            check(client, "host", frozenset())
+
+
+def test_a_limit_declared_unsupported_must_be_refused_by_name(agent_settings):
+    """Declaring a limit unsupported is checked too: a backend that then accepts it (and so
+    drops it silently) fails the kit."""
+    with broken_client(LimitIgnoringBackend, agent_settings) as client:
+        with pytest.raises(pytest.fail.Exception, match="DID NOT RAISE"):
+            isolation.test_memory_limit_is_enforced(client, "host", frozenset({"memory"}))

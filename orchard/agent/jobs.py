@@ -17,10 +17,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import AsyncIterator, Optional
 
+from orchard.agent.process_marks import MARK, kill_marked
 from orchard.agent.reaper import ChildReaper
 from orchard.agent.runtimes.api import IsolationRuntime
 from orchard.agent.sandbox import SandboxState
 from orchard.agent.spool import SpoolFile
+from orchard.errors import OrchardError
 from orchard.models import ExecRequest, Job
 
 POLL_SECONDS = 0.25
@@ -100,6 +102,8 @@ class JobRunner:
                     self._fail(record, "sandbox_lost", f"sandbox {sandbox.sandbox_id} is {sandbox.status}")
                     return
                 await self._run_locked(sandbox, runtime, record, cwd)
+        except OrchardError as exc:  # refused (rejected), or its agent-side cause, typed
+            self._fail(record, exc.error_type, exc.message)
         except Exception as exc:  # never leave a caller waiting on a job that cannot finish
             self._fail(record, "internal", f"{type(exc).__name__}: {exc}")
         finally:
@@ -121,7 +125,7 @@ class JobRunner:
         job_cgroup = sandbox.cgroup.job_dir() if sandbox.cgroup is not None else None
         argv = runtime.command(sandbox, shell_argv(placement.shell, request.command_text(), request.login_shell), cwd,
                                job_cgroup)
-        env = {**placement.env, **request.env}
+        env = {**placement.env, **request.env, MARK: job.job_id}
         record.stdout = SpoolFile("stdout", self.max_output_bytes)
         record.stderr = SpoolFile("stderr", self.max_output_bytes)
         stdin_fd = -1
@@ -141,8 +145,11 @@ class JobRunner:
             exit_code, killed_for = await self._supervise(record)
             if exit_code > 128 and sandbox.cgroup is not None and sandbox.cgroup.new_oom_kills():
                 job.error = "the out-of-memory killer ended a process: the sandbox hit its memory limit"
-            if killed_for is not None and job_cgroup is not None and sandbox.cgroup is not None:
-                sandbox.cgroup.kill_all(job_cgroup)  # also what left the process group
+            if killed_for is not None:  # also what left the process group
+                if job_cgroup is not None and sandbox.cgroup is not None:
+                    sandbox.cgroup.kill_all(job_cgroup)
+                else:
+                    await asyncio.to_thread(kill_marked, job.job_id)
         finally:
             if stdin_fd >= 0:
                 os.close(stdin_fd)

@@ -71,5 +71,9 @@ class Backend(ABC):
         """Housekeeping the reconciler runs before each listing (warm pools, orphaned jobs,
         idle capacity); reads (``list``, ``status``) never change anything themselves."""
 
+    async def shutdown(self) -> None:
+        """Its owner stops for good (the server, or an SDK client that built it): give back
+        capacity that hosts nothing, such as idle pilot jobs. ``close`` alone never does."""
+
     async def close(self) -> None:
-        """Release clients and connections (sandboxes stay unless deleted)."""
+        """Release clients and connections; sandboxes and cluster jobs stay."""

@@ -189,6 +189,7 @@ class AsyncClient:
         self._timeout, self._retries = timeout, retries
         self._remote = ApiClient(url, api_key, timeout=timeout, retries=retries) if url else None
         if self._remote is None:
+            self._owns_backend = not isinstance(backend, Backend)  # built here: shut down here too
             self.backend = backend if isinstance(backend, Backend) else load_backend(backend or "local", backend_settings)
         self._agents: dict[str, ApiClient] = {}
 
@@ -203,6 +204,8 @@ class AsyncClient:
             if api is not None:
                 await api.close()
         if self._remote is None:
+            if self._owns_backend:
+                await self.backend.shutdown()
             await self.backend.close()
 
     async def _agent_for(self, sandbox_id: str) -> ApiClient:

@@ -52,6 +52,7 @@ class ServerService:
         self.flush_heartbeats()
         for api in self._agents.values():
             await api.close()
+        await self.backend.shutdown()
         await self.backend.close()
         self.store.close()
 

@@ -19,8 +19,8 @@ from orchard.errors import FileOperationFailed, InvalidRequest, SandboxConflict,
 # -- life cycle ------------------------------------------------------------------
 
 
-def test_create_get_list_delete(orchard_client):
-    handle = orchard_client.create("host", labels={"suite": "conformance"})
+def test_create_get_list_delete(orchard_client, orchard_image):
+    handle = orchard_client.create(orchard_image, labels={"suite": "conformance"})
     assert handle.info.status == "ready" and handle.info.ready
     assert orchard_client.get(handle.id).info.sandbox_id == handle.id
     assert handle.id in {s.sandbox_id for s in orchard_client.list()}
@@ -30,13 +30,13 @@ def test_create_get_list_delete(orchard_client):
     assert handle.id not in {s.sandbox_id for s in orchard_client.list()}
 
 
-def test_create_with_same_id_is_idempotent_and_conflicts_on_other_spec(orchard_client):
+def test_create_with_same_id_is_idempotent_and_conflicts_on_other_spec(orchard_client, orchard_image):
     sandbox_id = f"conf-{time.time_ns()}"
-    with orchard_client.create("host", sandbox_id=sandbox_id) as first:
-        again = orchard_client.create("host", sandbox_id=sandbox_id)
+    with orchard_client.create(orchard_image, sandbox_id=sandbox_id) as first:
+        again = orchard_client.create(orchard_image, sandbox_id=sandbox_id)
         assert again.id == first.id
         with pytest.raises(SandboxConflict):
-            orchard_client.create("host", sandbox_id=sandbox_id, block_network=False)
+            orchard_client.create(orchard_image, sandbox_id=sandbox_id, block_network=False)
 
 
 def test_unknown_sandbox_is_a_typed_error(orchard_client):
@@ -147,8 +147,8 @@ def test_commands_in_one_sandbox_are_serialized(sandbox):
     assert sandbox.exec("cat log").stdout == "start\nend\n" * 4
 
 
-def test_separate_sandboxes_run_in_parallel(orchard_client):
-    with orchard_client.create() as a, orchard_client.create() as b:
+def test_separate_sandboxes_run_in_parallel(orchard_client, orchard_image):
+    with orchard_client.create(orchard_image) as a, orchard_client.create(orchard_image) as b:
         start = time.monotonic()
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
             jobs = list(pool.map(lambda s: s.exec("sleep 1.5; echo done"), [a, b]))

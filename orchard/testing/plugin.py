@@ -22,6 +22,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="backend to run the conformance tests against (repeatable; default: local)")
     group.addoption("--orchard-backend-config", default=None, metavar="FILE",
                     help="YAML/JSON file: {backend name: settings}")
+    group.addoption("--orchard-image", default="host", metavar="IMAGE",
+                    help="image of the kit's sandboxes: 'host' (default), a directory or docker:// reference with "
+                         "a shell, coreutils, python3 and git (orchard.testing.images builds one)")
+    group.addoption("--orchard-unsupported", action="append", default=[], metavar="LIMIT",
+                    help="a limit the backend declares it cannot enforce (memory, pids, cpu, disk): the kit then "
+                         "checks that asking for it is refused with an error naming it (repeatable)")
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
@@ -57,8 +63,20 @@ def orchard_client(orchard_backend_name: str, orchard_backend_settings: dict[str
         client.close()
 
 
+@pytest.fixture(scope="session")
+def orchard_image(pytestconfig: pytest.Config) -> str:
+    """The image the kit's sandboxes run; override this fixture to build one in code."""
+    return pytestconfig.getoption("--orchard-image")
+
+
+@pytest.fixture(scope="session")
+def orchard_unsupported(pytestconfig: pytest.Config) -> frozenset[str]:
+    """Limits the backend under test declares it cannot enforce (it must refuse them by name)."""
+    return frozenset(pytestconfig.getoption("--orchard-unsupported"))
+
+
 @pytest.fixture
-def sandbox(orchard_client: Any) -> Iterator[Any]:
-    """A fresh sandbox (image ``host``, network blocked), deleted after the test."""
-    with orchard_client.create("host") as handle:
+def sandbox(orchard_client: Any, orchard_image: str) -> Iterator[Any]:
+    """A fresh sandbox (the kit's image, network blocked), deleted after the test."""
+    with orchard_client.create(orchard_image) as handle:
         yield handle

@@ -43,9 +43,7 @@ def pilots(config_file: Path, as_json: bool) -> None:
         try:
             return await backend.pilot_jobs()
         finally:
-            for pilot in backend.pool.pilots.values():  # close connections only: pilots stay
-                if pilot.api is not None:
-                    await pilot.api.close()
+            await backend.close()  # connections only: every job stays
 
     rows = asyncio.run(main())
     if as_json:

@@ -29,14 +29,15 @@ from orchard.agent import inroot
 from orchard.agent.host_ids import DEFAULT_HOST_UID, claim_host_ids
 from orchard.agent.images import ImageStore, ResolvedImage
 from orchard.agent.reaper import ChildReaper
+from orchard.agent.runtimes import bwrap
 from orchard.agent.runtimes.api import DEFAULT_PATH
 from orchard.agent.runtimes.layers import ensure_paths, overlay_root
 from orchard.agent.runtimes.mounts import remove_tree, unmount
 from orchard.errors import OrchardError
 from orchard_slurm.pilot import write_stop_record
 from orchard_slurm.relay import Relay, listening_socket
-from orchard_slurm.runtimes.apptainer import pilot_has_gpus
-from orchard_slurm.runtimes.charliecloud import CH_RUN_DIRS, CH_RUN_FILES, minimal_dev_args, unshare_args
+from orchard_slurm.runtimes import apptainer, charliecloud
+from orchard_slurm.runtimes.charliecloud import CH_RUN_DIRS, CH_RUN_FILES
 
 AGENT_FD = 3  # the listening socket the job hands to the agent (see relay.py)
 AGENT = ["/opt/orchard/bin/orchard-agent", "--runtime", "direct", "--state-dir", "/tmp/.orchard-agent",
@@ -66,31 +67,23 @@ class SandboxJob:
 
 
 def container_argv(job: SandboxJob, root: Path, writable: bool) -> list[str]:
-    """The command that starts the container with the agent as its main process. Only the
-    agent bundle is bound in (read-only); the agent's socket arrives as an inherited fd."""
+    """The command that starts the container with the agent as its main process, built by the
+    same functions as the runtimes' sandboxes on pilots. Only the agent bundle is bound in
+    (read-only); the agent's socket arrives as an inherited fd."""
     binds = {job.bundle: "/opt/orchard"}
+    work = Path(job.job_dir) / "container"
     if job.runtime == "bwrap":
-        argv = ["bwrap", "--unshare-user", "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--die-with-parent",
-                "--hostname", job.sandbox_id[:63], "--bind" if writable else "--ro-bind", str(root), "/",
-                "--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", "--ro-bind", job.bundle, "/opt/orchard"]
-        return argv + (["--unshare-net"] if job.block_network else []) + ["--", *AGENT]
+        return ["bwrap", *bwrap.namespace_args(job.sandbox_id, job.block_network), "--as-pid-1",  # the agent (not dumpable)
+                "--bind" if writable else "--ro-bind", str(root), "/", *bwrap.proc_args(work / "empty"),
+                "--dev", "/dev", "--tmpfs", "/tmp", "--ro-bind", job.bundle, "/opt/orchard", "--", *AGENT]
     if job.runtime == "charliecloud":
-        staging = Path(job.job_dir) / "container" / "dev"
-        argv = [*unshare_args(job.block_network), "--", *minimal_dev_args(staging), "ch-run", "--private-tmp"]
-        argv += ["--write"] if writable else []
-        for source, target in binds.items():
-            argv += ["--bind", f"{source}:{target}"]
-        return argv + [str(root), "--", *AGENT]
+        return charliecloud.container_args(work / "dev", job.block_network, root, binds, AGENT, writable)
     if job.runtime == "apptainer":
         from spython.main import get_client
 
-        options = ["--containall", "--no-home", "--writable-tmpfs", "--hostname", job.sandbox_id[:63]]
-        for source, target in binds.items():
-            options += ["--bind", f"{source}:{target}"]
-        if job.block_network:
-            options += ["--net", "--network", "none"]
-        if pilot_has_gpus(dict(os.environ)):
-            options.append("--nv")
+        options = apptainer.container_options(job.sandbox_id, job.block_network,
+                                              [f"{source}:{target}" for source, target in binds.items()],
+                                              apptainer.pilot_has_gpus(dict(os.environ)), ["--writable-tmpfs"])
         return get_client(quiet=True)._init_command(["exec"], None) + options + [job.image, *AGENT]
     raise ValueError(f"per-job mode runs bwrap, charliecloud or apptainer containers, not {job.runtime!r}")
 
@@ -155,6 +148,7 @@ async def _run(job: SandboxJob) -> None:
         ids = (uid, gid)
         os.chown(work, *ids)
     (work / "dev").mkdir()  # charliecloud's private /dev is built here
+    (work / "empty").touch(mode=0o444)  # bwrap masks host-global /proc entries with it
     if ids is not None:
         os.chown(work / "dev", *ids)
     agent_dir.mkdir(exist_ok=True)

@@ -127,25 +127,31 @@ class PilotPool:
         return (run_pilot, str(directory), self.config.runtime, self.config.agent_host, self.config.sandboxes_per_pilot,
                 self.config.image_policy(), self.config.host_id_settings())
 
-    async def submit(self, spec: Optional[SandboxSpec] = None) -> Pilot:
-        """Submit a pilot, or (per-job mode, given the sandbox's spec) the job of one sandbox."""
-        if spec is None:
-            return (await self.submit_pilots(1))[0]
+    async def submit_sandbox_job(self, spec: SandboxSpec) -> Pilot:
+        """Per-job mode: the Slurm job of one sandbox (its image checked and its limits refused
+        before anything is submitted, so a refusal leaves no job behind)."""
         reason = verify_image(spec.image, self.config.image_policy())
         if reason:
             raise ImageRejected(f"image {spec.image!r} refused by policy: {reason}")
         asked = [name for name in ("memory", "pids", "cpu", "disk") if getattr(spec, name)]
-        if asked:  # refused before anything is submitted, not after (with a job left running)
+        if asked:
             raise InvalidRequest(f"{', '.join(asked)}: a per-job sandbox has its Slurm job's resources "
                                  "(cpus_per_pilot, mem_per_pilot_gb); per-sandbox limits are not applied in this mode")
-        pilot_id, directory = self._new_directory()
-        cache = self.config.image_cache_dir or self.config.shared_dir / "image-cache"
-        call = (run_sandbox_job, SandboxJob(str(directory), str(spec.sandbox_id), spec.image, self.config.runtime,
-                                            spec.block_network, str(await self.bundle()), self.config.agent_host,
-                                            str(cache), self.config.image_policy(), self.config.host_id_settings()))
-        submitted_at = time.time()
-        job = await asyncio.to_thread(self.executor().submit, *call)
-        return self._track(pilot_id, directory, str(job.job_id), submitted_at, str(spec.sandbox_id))
+        async with self.lock:
+            await self.adopt()
+            await self.refresh()
+            live = len(self.live())
+            if live >= self.config.max_pilots:
+                raise BackendUnavailable(f"{live} sandbox jobs are running and max_pilots is "
+                                         f"{self.config.max_pilots} (per-job mode: one job per sandbox)")
+            pilot_id, directory = self._new_directory()
+            cache = self.config.image_cache_dir or self.config.shared_dir / "image-cache"
+            call = (run_sandbox_job, SandboxJob(str(directory), str(spec.sandbox_id), spec.image, self.config.runtime,
+                                                spec.block_network, str(await self.bundle()), self.config.agent_host,
+                                                str(cache), self.config.image_policy(), self.config.host_id_settings()))
+            submitted_at = time.time()
+            job = await asyncio.to_thread(self.executor().submit, *call)
+            return self._track(pilot_id, directory, str(job.job_id), submitted_at, str(spec.sandbox_id))
 
     async def submit_pilots(self, count: int) -> list[Pilot]:
         """Submit ``count`` pilots: one job, or one job array of ``count`` tasks."""
@@ -280,18 +286,11 @@ class PilotPool:
             await asyncio.to_thread(build_bundle, bundle, True)
         return bundle
 
-    async def place(self, spec: SandboxSpec) -> Pilot:
-        """A live pilot with room and walltime left, else a new one (bounded by max_pilots);
-        in per-job mode always a new job for this sandbox."""
+    async def place_on_pilot(self) -> Pilot:
+        """A live pilot with room and walltime left, else a new one (bounded by max_pilots)."""
         async with self.lock:
             await self.adopt()
             await self.refresh()
-            if self.config.mode == "per-job":
-                live = len(self.live())
-                if live >= self.config.max_pilots:
-                    raise BackendUnavailable(f"{live} sandbox jobs are running and max_pilots is "
-                                             f"{self.config.max_pilots} (per-job mode: one job per sandbox)")
-                return await self.submit(spec)
             await self.keep_warm()
             margin = self.config.min_remaining_minutes * 60 + self.config.stop_margin_seconds
             for pilot in sorted(self.pilots.values(), key=lambda p: p.submitted_at):
@@ -302,7 +301,7 @@ class PilotPool:
             if live >= self.config.max_pilots:
                 raise BackendUnavailable(f"all {live} pilots are full ({self.config.sandboxes_per_pilot} sandboxes "
                                          f"each) and max_pilots is {self.config.max_pilots}")
-            return await self.submit()
+            return (await self.submit_pilots(1))[0]
 
     async def shrink(self) -> None:
         now = time.time()
@@ -377,12 +376,16 @@ class PilotPool:
             await slurm.cancel(job_id)
         return len(jobs)
 
-    async def close(self) -> None:
+    async def release_idle(self) -> None:
         """Cancel the pilots that host nothing (the rest stay, for a restarted service to adopt)."""
         for pilot in list(self.pilots.values()):
             if not pilot.sandboxes and pilot.alive:
                 await slurm.cancel(pilot.job_id)
-                self.pilots.pop(pilot.pilot_id, None)
-                remove_tree(pilot.directory)  # never through a dead pilot's live mounts
+                pilot.state = "CANCELLED"
+                await self.forget(pilot)
+
+    async def close(self) -> None:
+        """Close the connections to the agents; every job stays."""
+        for pilot in self.pilots.values():
             if pilot.api is not None:
                 await pilot.api.close()

@@ -41,3 +41,15 @@ def agent_bundle() -> Iterator[Path]:
     build_bundle(parent / "bundle")
     yield parent / "bundle"
     shutil.rmtree(parent, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def kit_image() -> Iterator[Path]:
+    """The conformance kit's directory image (shell, coreutils, python3, git) for runtimes
+    that run images, built once from this machine's packages."""
+    from orchard.testing.images import build_kit_image
+
+    parent = Path(tempfile.mkdtemp(prefix="orchard-kit-image-", dir="/tmp"))
+    parent.chmod(0o755)
+    yield build_kit_image(parent / "image")
+    shutil.rmtree(parent, ignore_errors=True)

@@ -34,9 +34,9 @@ def test_a_listing_is_believed_only_about_the_agents_own_sandboxes():
     attacker = Pilot("pilot-a", "1", Path("/nonexistent"), 0.0, 600.0, sandboxes={"sbx-attacker"})
     attacker.api = LyingAgent("sbx-attacker", "sbx-victim")  # type: ignore[assignment]
     backend.pool.owner.update({"sbx-attacker": "pilot-a", "sbx-victim": "pilot-b"})
-    listed = asyncio.run(backend._listed_by(attacker))
+    listed = asyncio.run(backend._listed_by(backend.site(attacker)))
     assert [s.sandbox_id for s in listed] == ["sbx-attacker"]  # the victim's forged "lost" is dropped
     broken = Pilot("pilot-b", "2", Path("/nonexistent"), 0.0, 600.0, sandboxes={"sbx-victim"})
     broken.api = UnreadableAgent()  # type: ignore[assignment]
-    kept = asyncio.run(backend._listed_by(broken))
+    kept = asyncio.run(backend._listed_by(backend.site(broken)))
     assert [(s.sandbox_id, s.status) for s in kept] == [("sbx-victim", "ready")]  # kept as it was, listing goes on

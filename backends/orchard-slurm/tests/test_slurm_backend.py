@@ -51,6 +51,7 @@ def test_pilots_pack_sandboxes_run_commands_and_leave_nothing(backend):
         assert resources["pilots"] == 2 and resources["sandboxes"] == 5
         for sandbox in sandboxes:
             await backend.delete(sandbox.sandbox_id)
+        await backend.shutdown()  # its owner stops: idle pilots go
         await backend.close()
 
     asyncio.run(scenario())
@@ -76,6 +77,7 @@ def test_scancel_of_a_pilot_is_reported_lost_with_slurm_state_and_the_pool_recov
         assert (await exec_on(backend, fresh.sandbox_id, "echo alive"))["stdout"] == "alive\n"
         await backend.delete(fresh.sandbox_id)
         await backend.delete(victim.sandbox_id)
+        await backend.shutdown()  # its owner stops: idle pilots go
         await backend.close()
 
     asyncio.run(scenario())
@@ -101,6 +103,7 @@ def test_pilot_deletes_its_sandboxes_and_stops_on_slurms_warning_signal(backend)
         while (await slurm_job_states([pilot.job_id]))[pilot.job_id] not in ("COMPLETED", "COMPLETING"):
             assert time.monotonic() < deadline, "the pilot's job did not end"
             await asyncio.sleep(0.2)
+        await backend.shutdown()  # its owner stops: idle pilots go
         await backend.close()
 
     asyncio.run(scenario())
@@ -132,6 +135,7 @@ def test_a_restarted_service_adopts_its_pilots_and_cancels_orphans_but_not_other
         assert (await exec_on(neighbour, other.sandbox_id, "echo untouched"))["stdout"] == "untouched\n"
         for backend, sandbox in ((restarted, kept), (neighbour, other)):
             await backend.delete(sandbox.sandbox_id)
+            await backend.shutdown()  # its owner stops: idle pilots go
             await backend.close()
 
     run_leaving_no_jobs(settings["job_name"], scenario)
@@ -151,6 +155,7 @@ def test_a_pilot_near_its_real_time_limit_stops_cleanly_on_its_own(slurm_cluster
             await asyncio.sleep(0.5)
         assert "stopped on SIGUSR2" in status.status_message, status.status_message
         await backend.delete(sandbox.sandbox_id)
+        await backend.shutdown()  # its owner stops: idle pilots go
         await backend.close()
 
     run_leaving_no_jobs(settings["job_name"], scenario)
@@ -164,6 +169,7 @@ def test_a_pilot_that_never_starts_its_agent_says_why(slurm_cluster):
         backend = SlurmBackend.from_settings(settings)
         with pytest.raises(BackendUnavailable, match="before its agent started: OSError: .*Cannot assign requested address"):
             await backend.create(SandboxSpec())
+        await backend.shutdown()  # its owner stops: idle pilots go
         await backend.close()
 
     run_leaving_no_jobs(settings["job_name"], scenario, check=False)
@@ -197,6 +203,9 @@ def test_min_pilots_are_one_job_array_kept_warm(slurm_cluster):
         for sandbox in sandboxes:
             await backend.delete(sandbox.sandbox_id)
         assert len([p for p in backend.pool.pilots.values() if p.alive]) == 2  # idle, but kept: min_pilots
-        await backend.close()  # the service stops: empty pilots go
+        await backend.close()  # a client closing cancels nothing ...
+        states = await slurm_job_states([p.job_id for p in warm])
+        assert all(state in ("RUNNING", "PENDING") for state in states.values()), states
+        await backend.shutdown()  # ... its owner stopping for good releases the idle pilots
 
     run_leaving_no_jobs(settings["job_name"], scenario)

@@ -21,7 +21,7 @@ from orchard.agent.inroot import exists_in_root
 from orchard.agent.runtimes.api import DEFAULT_PATH, IsolationRuntime
 from orchard.agent.runtimes.holder import HOLD_ARGS, launcher_prefix, limit, spawn_holder, stop_held
 from orchard.agent.runtimes.layers import image_workdir, writable_root
-from orchard.agent.runtimes.mounts import system_binds
+from orchard.agent.runtimes.mounts import MASKED_PROC_DIRS, MASKED_PROC_FILES, system_binds
 from orchard.agent.sandbox import Placement, SandboxState
 from orchard.quantities import optional_bytes
 
@@ -34,11 +34,6 @@ HOST_ETC_ALLOWLIST = (
     "python3.11", "services", "skel", "ssl", "terminfo", "timezone", "xdg",
 )
 SANDBOX_HOME = "/home/user"
-# Host-global /proc entries hidden inside sandboxes, as container runtimes mask them
-# (an empty file or directory on top); /proc/sys is read-only.
-MASKED_PROC_FILES = ("kcore", "kallsyms", "keys", "latency_stats", "sched_debug", "sysrq-trigger", "timer_list",
-                     "timer_stats", "kpagecount", "kpageflags", "kpagecgroup", "config.gz")
-MASKED_PROC_DIRS = ("acpi", "asound", "scsi", "firmware", "driver")
 
 
 def build_host_etc(target: Path, generated: dict[str, str]) -> None:
@@ -63,6 +58,31 @@ def build_host_etc(target: Path, generated: dict[str, str]) -> None:
         os.chmod(staging / name, 0o644)
     shutil.rmtree(target, ignore_errors=True)
     os.replace(staging, target)
+
+
+def namespace_args(hostname: str, block_network: bool, ids: Optional[tuple[int, int]] = None) -> list[str]:
+    """Every namespace but the mount one (bwrap makes that anyway), all capabilities dropped
+    and no further user namespaces: the same for a held sandbox and a per-job container.
+    ``ids``: who the sandbox user is inside (default: whoever bwrap runs as)."""
+    args = ["--unshare-user"]
+    if ids is not None:
+        args += ["--uid", str(ids[0]), "--gid", str(ids[1])]
+    args += ["--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try", "--hostname", hostname[:63],
+             "--die-with-parent", "--cap-drop", "ALL", "--disable-userns"]
+    return args + (["--unshare-net"] if block_network else [])
+
+
+def proc_args(empty_file: Path) -> list[str]:
+    """A fresh /proc with /proc/sys read-only and the host-global entries masked (under
+    ``empty_file``, an empty read-only file)."""
+    args = ["--proc", "/proc", "--ro-bind", "/proc/sys", "/proc/sys"]
+    for name in MASKED_PROC_FILES:
+        if os.path.exists(f"/proc/{name}"):  # the sandbox's /proc is this kernel's: same entries
+            args += ["--ro-bind", str(empty_file), f"/proc/{name}"]
+    for name in MASKED_PROC_DIRS:
+        if os.path.isdir(f"/proc/{name}"):
+            args += ["--tmpfs", f"/proc/{name}", "--remount-ro", f"/proc/{name}"]
+    return args
 
 
 class BwrapRuntime(IsolationRuntime):
@@ -95,16 +115,6 @@ class BwrapRuntime(IsolationRuntime):
         await self._spawn_holder(sandbox, args, owner)
         placement.shell = "bash" if self._has(placement, "/bin/bash") else "sh"
 
-    def _namespace_args(self, sandbox: SandboxState) -> list[str]:
-        settings = self.context.settings
-        args = ["--unshare-user", "--uid", str(settings.sandbox_uid), "--gid", str(settings.sandbox_gid),
-                "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
-                "--hostname", sandbox.sandbox_id[:63], "--die-with-parent", "--as-pid-1",
-                "--cap-drop", "ALL", "--disable-userns"]
-        if sandbox.spec.block_network:
-            args.append("--unshare-net")
-        return args
-
     def _host_image_args(self, disk: Optional[int]) -> list[str]:
         args: list[str] = []
         if disk:
@@ -118,16 +128,7 @@ class BwrapRuntime(IsolationRuntime):
         return args
 
     def _proc_args(self) -> list[str]:
-        """A fresh /proc with /proc/sys read-only and the host-global entries masked."""
-        empty = str(self.context.settings.share_dir / "empty")
-        args = ["--proc", "/proc", "--ro-bind", "/proc/sys", "/proc/sys"]
-        for name in MASKED_PROC_FILES:
-            if os.path.exists(f"/proc/{name}"):  # the sandbox's /proc is this kernel's: same entries
-                args += ["--ro-bind", empty, f"/proc/{name}"]
-        for name in MASKED_PROC_DIRS:
-            if os.path.isdir(f"/proc/{name}"):
-                args += ["--tmpfs", f"/proc/{name}", "--remount-ro", f"/proc/{name}"]
-        return args
+        return proc_args(self.context.settings.share_dir / "empty")
 
     def _rootfs_args(self, sandbox: SandboxState, image: ResolvedImage, disk: Optional[int],
                      owner: Optional[tuple[int, int]], placement: Placement) -> list[str]:
@@ -140,7 +141,10 @@ class BwrapRuntime(IsolationRuntime):
 
     async def _spawn_holder(self, sandbox: SandboxState, args: list[str], owner: Optional[tuple[int, int]]) -> None:
         helper = str(self.context.helper)
-        argv = [*launcher_prefix(self.context, sandbox, owner), "bwrap", *self._namespace_args(sandbox), *args,
+        settings = self.context.settings
+        namespaces = namespace_args(sandbox.sandbox_id, sandbox.spec.block_network,
+                                    (settings.sandbox_uid, settings.sandbox_gid))
+        argv = [*launcher_prefix(self.context, sandbox, owner), "bwrap", *namespaces, "--as-pid-1", *args,
                 "--ro-bind", helper, "/dev/.orchard-hold", "--info-fd", "4", "--", "/dev/.orchard-hold", *HOLD_ARGS]
         info = json.loads(await spawn_holder(self.context, sandbox, argv, {"PATH": DEFAULT_PATH}, "bubblewrap",
                                              info_fd=True))

@@ -14,6 +14,12 @@ _MNT_DETACH = 2
 _ESCAPED = re.compile(r"\\([0-7]{3})")  # mountinfo writes space, tab, newline, backslash as \ooo
 log = logging.getLogger("orchard.agent")
 
+# Host-global /proc entries hidden inside sandboxes, as container runtimes mask them
+# (an empty file or directory on top); /proc/sys is read-only.
+MASKED_PROC_FILES = ("kcore", "kallsyms", "keys", "latency_stats", "sched_debug", "sysrq-trigger", "timer_list",
+                     "timer_stats", "kpagecount", "kpageflags", "kpagecgroup", "config.gz")
+MASKED_PROC_DIRS = ("acpi", "asound", "scsi", "firmware", "driver")
+
 
 # Read-only host system directories a bubblewrap root may show (the ``host`` image, and the
 # confined copy of a directory image); nothing else of the host.

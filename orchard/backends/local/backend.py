@@ -1,7 +1,7 @@
 """``local``: sandboxes on this machine (the embedded default).
 
-The backend itself is thin: it makes sure this machine's exec agent runs (a
-separate, long-lived process) and forwards life-cycle calls to it.
+The backend itself is thin: its one placement is this machine's exec agent (a separate,
+long-lived process it starts when none runs), to which it forwards life-cycle calls.
 """
 
 from __future__ import annotations
@@ -13,26 +13,26 @@ from typing import Any, Optional
 from pydantic import Field
 
 from orchard.agent.settings import AgentSettings
-from orchard.backends.api import AgentEndpoint, Backend, BackendConfig
+from orchard.backends.agent_backed import AgentBackedBackend, AgentSite
+from orchard.backends.api import BackendConfig
 from orchard.backends.local.launcher import ensure_agent
 from orchard.client.http import ApiClient
 from orchard.errors import AgentUnreachable
-from orchard.models import Sandbox, SandboxSpec
+from orchard.models import SandboxSpec
 
 
 class LocalBackendConfig(BackendConfig):
     agent: AgentSettings = Field(default_factory=AgentSettings, description="settings of the local exec agent")
 
 
-class LocalBackend(Backend):
+class LocalBackend(AgentBackedBackend):
     name = "local"
     config_model = LocalBackendConfig
 
     def __init__(self, config: LocalBackendConfig) -> None:
         super().__init__(config)
         self.config: LocalBackendConfig = config
-        self._endpoint: Optional[AgentEndpoint] = None
-        self._api: Optional[ApiClient] = None
+        self._site: Optional[AgentSite] = None
         self._retired: list[ApiClient] = []  # clients of agents that died, closed with the backend
         self._lock = asyncio.Lock()
 
@@ -42,51 +42,46 @@ class LocalBackend(Backend):
             return "bubblewrap is not installed (apt-get install bubblewrap); runtime 'direct' only by name"
         return None
 
-    async def agent(self) -> ApiClient:
-        if self._api is None:
-            async with self._lock:
-                if self._api is None:
-                    self._endpoint = await asyncio.to_thread(ensure_agent, self.config.agent)
-                    self._api = ApiClient(self._endpoint.url, self._endpoint.token, retries=2)
-        return self._api
+    def start_timeout(self, spec: SandboxSpec) -> float:
+        return spec.timeout or self.config.agent.ready_timeout
 
-    async def _request(self, method: str, path: str, **kwargs: Any) -> Any:
-        """A call to the agent; if it died, a new agent is started and the call made once more
-        (its sandboxes died with the old one: callers then see them as not found)."""
-        api = await self.agent()
+    async def agent(self) -> AgentSite:
+        """This machine's agent, started if none runs."""
+        if self._site is None:
+            async with self._lock:
+                if self._site is None:
+                    endpoint = await asyncio.to_thread(ensure_agent, self.config.agent)
+                    self._site = AgentSite("local", ApiClient(endpoint.url, endpoint.token, retries=2), endpoint)
+        return self._site
+
+    # -- placement: always this machine's agent ----------------------------------------
+    async def place(self, spec: SandboxSpec) -> AgentSite:
+        return await self.agent()
+
+    async def locate(self, sandbox_id: str) -> AgentSite:
+        return await self.agent()
+
+    async def sites(self) -> list[AgentSite]:
+        return [await self.agent()]
+
+    async def forward(self, site: AgentSite, method: str, path: str, **kwargs: Any) -> Any:
+        """If the agent died, a new one is started and the call made once more (its sandboxes
+        died with the old one: callers then see them as not found)."""
         try:
-            return await api.request(method, path, **kwargs)
+            return await super().forward(site, method, path, **kwargs)
         except AgentUnreachable:
             async with self._lock:
-                if self._api is api:  # first to notice: retire it (others may still be using it)
-                    self._retired.append(api)
-                    self._api = None
-            return await (await self.agent()).request(method, path, **kwargs)
-
-    async def create(self, spec: SandboxSpec) -> Sandbox:
-        timeout = (spec.timeout or self.config.agent.ready_timeout) + 30
-        return Sandbox(**await self._request("POST", "/sandboxes", json_body=spec.model_dump(), timeout=timeout))
-
-    async def delete(self, sandbox_id: str) -> None:
-        await self._request("DELETE", f"/sandboxes/{sandbox_id}")
-
-    async def list(self) -> list[Sandbox]:
-        body = await self._request("GET", "/sandboxes")
-        return [Sandbox(**item) for item in body["sandboxes"]]
-
-    async def status(self, sandbox_id: str) -> Sandbox:
-        return Sandbox(**await self._request("GET", f"/sandboxes/{sandbox_id}"))
-
-    async def endpoint(self, sandbox_id: str) -> AgentEndpoint:
-        await self.agent()
-        assert self._endpoint is not None
-        return self._endpoint
+                if self._site is site:  # first to notice: retire it (others may still be using it)
+                    assert site.api is not None
+                    self._retired.append(site.api)
+                    self._site = None
+            return await super().forward(await self.agent(), method, path, **kwargs)
 
     async def resources(self) -> dict[str, Any]:
-        return await self._request("GET", "/resources")
+        return await self.forward(await self.agent(), "GET", "/resources")
 
     async def close(self) -> None:
-        for api in [self._api, *self._retired]:
+        for api in [self._site.api if self._site else None, *self._retired]:
             if api is not None:
                 await api.close()
-        self._api, self._retired = None, []
+        self._site, self._retired = None, []

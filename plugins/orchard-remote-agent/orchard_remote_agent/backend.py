@@ -1,4 +1,4 @@
-"""``remote-agent``: sandboxes on an exec agent reachable at a URL."""
+"""``remote-agent``: sandboxes on an exec agent reachable at a URL (one fixed placement)."""
 
 from __future__ import annotations
 
@@ -6,9 +6,10 @@ from typing import Any, Optional
 
 from pydantic import Field
 
-from orchard.backends.api import AgentEndpoint, Backend, BackendConfig
+from orchard.backends.agent_backed import AgentBackedBackend, AgentSite
+from orchard.backends.api import AgentEndpoint, BackendConfig
 from orchard.client.http import ApiClient
-from orchard.models import Sandbox, SandboxSpec
+from orchard.models import SandboxSpec
 
 
 class RemoteAgentConfig(BackendConfig):
@@ -16,7 +17,7 @@ class RemoteAgentConfig(BackendConfig):
     token: Optional[str] = Field(None, description="the agent's X-API-Key (ORCHARD_AGENT_TOKEN where it runs)")
 
 
-class RemoteAgentBackend(Backend):
+class RemoteAgentBackend(AgentBackedBackend):
     name = "remote-agent"
     config_model = RemoteAgentConfig
 
@@ -24,23 +25,16 @@ class RemoteAgentBackend(Backend):
         super().__init__(config)
         self.config: RemoteAgentConfig = config
         self.api = ApiClient(config.url, config.token)
+        self.site = AgentSite(config.url, self.api, AgentEndpoint(url=config.url, token=config.token))
 
-    async def create(self, spec: SandboxSpec) -> Sandbox:
-        body = await self.api.request("POST", "/sandboxes", json_body=spec.model_dump(), timeout=(spec.timeout or 60) + 30)
-        return Sandbox(**{**body, "backend": self.name})
+    async def place(self, spec: SandboxSpec) -> AgentSite:
+        return self.site
 
-    async def delete(self, sandbox_id: str) -> None:
-        await self.api.request("DELETE", f"/sandboxes/{sandbox_id}")
+    async def locate(self, sandbox_id: str) -> AgentSite:
+        return self.site
 
-    async def list(self) -> list[Sandbox]:
-        body = await self.api.request("GET", "/sandboxes")
-        return [Sandbox(**{**item, "backend": self.name}) for item in body["sandboxes"]]
-
-    async def status(self, sandbox_id: str) -> Sandbox:
-        return Sandbox(**{**await self.api.request("GET", f"/sandboxes/{sandbox_id}"), "backend": self.name})
-
-    async def endpoint(self, sandbox_id: str) -> AgentEndpoint:
-        return AgentEndpoint(url=self.config.url, token=self.config.token)
+    async def sites(self) -> list[AgentSite]:
+        return [self.site]
 
     async def resources(self) -> dict[str, Any]:
         return await self.api.request("GET", "/resources")

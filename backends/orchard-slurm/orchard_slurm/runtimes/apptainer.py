@@ -48,9 +48,11 @@ def pilot_has_gpus(environ: dict[str, str]) -> bool:
     return bool(environ.get("SLURM_JOB_GPUS") or environ.get("CUDA_VISIBLE_DEVICES"))
 
 
-def instance_options(sandbox_id: str, block_network: bool, overlay: Path, binds: list[str], gpus: bool) -> list[str]:
-    """The ``instance start`` options of one sandbox (see the module docstring for why)."""
-    options = ["--containall", "--no-home", "--cleanenv", "--hostname", sandbox_id[:63], "--overlay", str(overlay)]
+def container_options(sandbox_id: str, block_network: bool, binds: list[str], gpus: bool,
+                      layer: list[str]) -> list[str]:
+    """The options of every Orchard Apptainer container, an instance or a per-job container
+    (see the module docstring for why); ``layer`` says how its root is writable."""
+    options = ["--containall", "--no-home", "--cleanenv", "--hostname", sandbox_id[:63], *layer]
     for bind in binds:
         options += ["--bind", bind]
     if gpus:
@@ -58,6 +60,11 @@ def instance_options(sandbox_id: str, block_network: bool, overlay: Path, binds:
     if block_network:
         options += ["--net", "--network", "none"]
     return options
+
+
+def instance_options(sandbox_id: str, block_network: bool, overlay: Path, binds: list[str], gpus: bool) -> list[str]:
+    """The ``instance start`` options of one sandbox on a pilot: its own overlay directory."""
+    return container_options(sandbox_id, block_network, binds, gpus, ["--overlay", str(overlay)])
 
 
 def sif_name(reference: str) -> str:

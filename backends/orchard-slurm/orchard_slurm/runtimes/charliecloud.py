@@ -18,9 +18,11 @@ from pathlib import Path
 from typing import Optional
 
 from orchard.agent import inroot
+from orchard.agent.reaper import run_tool
 from orchard.agent.runtimes.api import DEFAULT_PATH, IsolationRuntime
 from orchard.agent.runtimes.holder import HOLD_ARGS, launcher_prefix, limit, spawn_holder, stop_held
 from orchard.agent.runtimes.layers import ensure_paths, image_workdir, writable_root
+from orchard.agent.runtimes.mounts import MASKED_PROC_DIRS, MASKED_PROC_FILES
 from orchard.agent.sandbox import Placement, SandboxState
 from orchard.errors import InvalidRequest, RuntimeUnavailable
 from orchard.quantities import optional_bytes
@@ -31,10 +33,12 @@ CH_RUN_FILES = ("etc/hosts", "etc/resolv.conf", "etc/passwd", "etc/group")
 
 
 # ch-run binds the host's /dev (block devices, /dev/kvm, /dev/fuse, and a /dev/shm shared
-# with every user of the node) and /sys. In the mount namespace unshare made, this puts a
-# private, minimal /dev in its place first (a tmpfs with the usual character devices bound
+# with every user of the node), /sys and /proc. In the namespaces unshare made, this puts a
+# private, minimal /dev in their place first (a tmpfs with the usual character devices bound
 # in and a /dev/shm of its own), hides the node's cgroup tree and network interfaces under
-# empty read-only tmpfs, then drops the capabilities it needed and runs ch-run.
+# empty read-only tmpfs, masks host-global /proc entries and makes /proc/sys read-only (as
+# bwrap sandboxes have them), brings loopback up in a new network namespace, then drops the
+# capabilities it needed and runs ch-run.
 MINIMAL_DEV = """set -e
 d="$1"; shift
 mount -n -t tmpfs -o mode=0755,nosuid,size=64k tmpfs "$d"
@@ -47,6 +51,10 @@ mount -n --move "$d" /dev
 for hidden in /sys/fs/cgroup /sys/class/net; do  # other sandboxes' cgroups, the host's interfaces
   [ -d "$hidden" ] && mount -n -t tmpfs -o ro,mode=0555,size=4k tmpfs "$hidden"
 done
+for masked in $MASKED_FILES; do [ -e "/proc/$masked" ] && mount -n --bind /dev/null "/proc/$masked"; done
+for masked in $MASKED_DIRS; do [ -d "/proc/$masked" ] && mount -n -t tmpfs -o ro,size=4k tmpfs "/proc/$masked"; done
+mount -n --bind /proc/sys /proc/sys && mount -n -o remount,bind,ro /proc/sys
+[ "$NEW_NET" = 1 ] && ip link set lo up  # a new network namespace starts with loopback down
 exec setpriv --inh-caps=-all --ambient-caps=-all -- "$@"
 """
 
@@ -59,15 +67,27 @@ def unshare_args(block_network: bool) -> list[str]:
     return args + (["--net"] if block_network else [])
 
 
-def minimal_dev_args(staging: Path) -> list[str]:
-    """Run what follows with a private minimal /dev built in ``staging`` (an empty directory)."""
-    return ["sh", "-c", MINIMAL_DEV, "orchard-dev", str(staging)]
+def minimal_dev_args(staging: Path, block_network: bool) -> list[str]:
+    """Run what follows with a private minimal /dev built in ``staging`` (an empty directory)
+    and the /proc and loopback described above."""
+    return ["env", f"MASKED_FILES={' '.join(MASKED_PROC_FILES)}", f"MASKED_DIRS={' '.join(MASKED_PROC_DIRS)}",
+            f"NEW_NET={int(block_network)}", "sh", "-c", MINIMAL_DEV, "orchard-dev", str(staging)]
 
 
-def ch_run_args(root: Path, helper: Path) -> list[str]:
-    """ch-run on the sandbox's writable root, with a private /tmp and the holder bound in."""
-    return ["ch-run", "--write", "--private-tmp", "--bind", f"{helper}:{HOLD_PATH}", str(root), "--", HOLD_PATH,
-            *HOLD_ARGS]
+def ch_run_args(root: Path, binds: dict[str, str], command: list[str], writable: bool = True) -> list[str]:
+    """ch-run on ``root`` with a private /tmp and ``binds`` (source: target)."""
+    argv = ["ch-run", *(["--write"] if writable else []), "--private-tmp"]  # else the node's /tmp is shared
+    for source, target in binds.items():
+        argv += ["--bind", f"{source}:{target}"]
+    return [*argv, str(root), "--", *command]
+
+
+def container_args(staging: Path, block_network: bool, root: Path, binds: dict[str, str], command: list[str],
+                   writable: bool = True) -> list[str]:
+    """The whole container: namespaces, a private minimal /dev built in ``staging``, then ch-run.
+    The same for a held sandbox on a pilot and a per-job container."""
+    return [*unshare_args(block_network), "--", *minimal_dev_args(staging, block_network),
+            *ch_run_args(root, binds, command, writable)]
 
 
 def find_holder(pid: int) -> Optional[int]:
@@ -90,9 +110,9 @@ class CharliecloudRuntime(IsolationRuntime):
 
     @classmethod
     def unavailable_reason(cls) -> Optional[str]:
-        missing = [tool for tool in ("ch-run", "unshare", "setpriv", "mount") if shutil.which(tool) is None]
+        missing = [tool for tool in ("ch-run", "unshare", "setpriv", "mount", "ip") if shutil.which(tool) is None]
         if missing:
-            return f"not installed: {', '.join(missing)} (apt-get install charliecloud-runtime util-linux)"
+            return f"not installed: {', '.join(missing)} (apt-get install charliecloud-runtime util-linux iproute2)"
         return None
 
     async def start(self, sandbox: SandboxState) -> None:
@@ -105,8 +125,8 @@ class CharliecloudRuntime(IsolationRuntime):
         ids = owner or (os.getuid(), os.getgid())
         placement = Placement(root="", uid=ids[0], gid=ids[1])  # ch-run maps our uid to itself
         sandbox.placement = placement  # attached first, so a failure below still gets cleaned up
-        root = writable_root(sandbox, image, optional_bytes(spec.disk or settings.default_disk),
-                             owner, placement, self.context.images.owner)
+        disk = optional_bytes(spec.disk or settings.default_disk)
+        root = writable_root(sandbox, image, disk, owner, placement, self.context.images.owner)
         ensure_paths(root, CH_RUN_DIRS, (*CH_RUN_FILES, HOLD_PATH.lstrip("/")))  # ch-run's bind targets
         if inroot.exists_in_root(str(root), "/root", directory=True):
             inroot.chown(str(root), "/root", ids)  # HOME, writable by the sandbox user (a copy-up in the overlay)
@@ -117,8 +137,9 @@ class CharliecloudRuntime(IsolationRuntime):
         staging.mkdir()
         if owner:
             os.chown(staging, *owner)
-        argv = [*launcher_prefix(self.context, sandbox, owner), *unshare_args(spec.block_network),
-                "--", *minimal_dev_args(staging), *ch_run_args(root, self.context.helper)]
+        argv = [*launcher_prefix(self.context, sandbox, owner),
+                *container_args(staging, spec.block_network, root, {str(self.context.helper): HOLD_PATH},
+                                [HOLD_PATH, *HOLD_ARGS])]
         env = {"PATH": DEFAULT_PATH, "USER": pwd.getpwuid(ids[0]).pw_name if _known(ids[0]) else "orchard"}
         await spawn_holder(self.context, sandbox, [shutil.which(argv[0]) or argv[0], *argv[1:]], env, "ch-run")
         holder = find_holder(placement.holder_pid or 0)
@@ -126,6 +147,11 @@ class CharliecloudRuntime(IsolationRuntime):
             raise RuntimeUnavailable("ch-run started, but its holder process was not found")
         placement.target_pid = holder
         placement.root = f"/proc/{holder}/root"
+        if disk:  # ch-run's private /tmp is a tmpfs of no size: give it the sandbox's disk quota
+            code, _, err = await run_tool(self.context.reaper, ["mount", "-N", str(holder), "-o",
+                                                                f"remount,size={disk}", "/tmp"], {"PATH": DEFAULT_PATH})
+            if code != 0:
+                raise RuntimeUnavailable(f"cannot size the sandbox's /tmp to its disk quota: {err.strip()}")
         placement.shell = "bash" if inroot.exists_in_root(str(root), "/bin/bash") else "sh"
 
     async def stop(self, sandbox: SandboxState) -> None:

@@ -26,7 +26,7 @@ from typing import Optional
 from orchard.agent.inroot import exists_in_root
 from orchard.agent.reaper import run_tool
 from orchard.agent.runtimes.api import DEFAULT_PATH, IsolationRuntime
-from orchard.agent.runtimes.mounts import remove_tree
+from orchard.agent.runtimes.mounts import MASKED_PROC_DIRS, MASKED_PROC_FILES, remove_tree
 from orchard.agent.sandbox import Placement, SandboxState
 from orchard.errors import ImageRejected, InvalidRequest, RuntimeUnavailable
 from orchard.quantities import parse_cpu, parse_memory
@@ -46,12 +46,19 @@ def container_name(sandbox_id: str) -> str:
     return "orchard-" + re.sub(r"[^a-zA-Z0-9_.-]", "-", sandbox_id)
 
 
+def masked_proc_paths() -> list[str]:
+    """The host-global /proc entries bwrap sandboxes mask, for Podman to mask as well (its own
+    default list leaves /proc/kallsyms and others readable)."""
+    return [f"/proc/{name}" for name in (*MASKED_PROC_FILES, *MASKED_PROC_DIRS) if os.path.exists(f"/proc/{name}")]
+
+
 def run_options(sandbox_id: str, block_network: bool, helper: Path, idmap: Optional[tuple[int, int]],
                 memory: Optional[str], pids: Optional[int], cpu: Optional[str]) -> list[str]:
     """``podman run`` options of one sandbox (see the module docstring for why)."""
     options = ["-d", "--name", container_name(sandbox_id), "--hostname", sandbox_id[:63],
                "--network", "none" if block_network else "host", "--cap-drop", "all", "--cgroupns", "private",
-               "--security-opt", "no-new-privileges", "-v", f"{helper}:{HOLD_PATH}:ro", "--entrypoint", HOLD_PATH]
+               "--security-opt", "no-new-privileges", "--security-opt", f"mask={':'.join(masked_proc_paths())}",
+               "-v", f"{helper}:{HOLD_PATH}:ro", "--entrypoint", HOLD_PATH]
     if idmap:
         options += ["--uidmap", f"0:{idmap[0]}:65536", "--gidmap", f"0:{idmap[1]}:65536"]
     if memory:
