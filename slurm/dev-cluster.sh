@@ -47,10 +47,11 @@ SlurmctldHost=localhost(127.0.0.1)
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
-ProctrackType=proctrack/linuxproc
-TaskPlugin=task/none
+ProctrackType=proctrack/cgroup
+TaskPlugin=task/cgroup
 SelectType=select/cons_tres
-SelectTypeParameters=CR_Core
+SelectTypeParameters=CR_Core_Memory
+DefMemPerCPU=1024
 SchedulerType=sched/backfill
 SchedulerParameters=batch_sched_delay=0,sched_min_interval=0
 AccountingStorageType=accounting_storage/slurmdbd
@@ -68,6 +69,14 @@ SlurmctldLogFile=$DIR/log/slurmctld.log
 SlurmdLogFile=$DIR/log/slurmd.log
 NodeName=localhost NodeAddr=127.0.0.1 CPUs=$cpus Boards=1 SocketsPerBoard=1 CoresPerSocket=$cpus ThreadsPerCore=1 RealMemory=$mem State=UNKNOWN
 PartitionName=debug Nodes=localhost Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:4
+EOF
+  # Jobs run in cgroups of their own (proctrack/cgroup, task/cgroup), as on real clusters:
+  # whatever a job leaves behind in its cgroup is killed when the job ends.
+  cat > "$ETC/cgroup.conf" <<EOF
+CgroupPlugin=autodetect
+ConstrainCores=no
+ConstrainRAMSpace=yes
+ConstrainDevices=no
 EOF
   cat > "$ETC/slurmdbd.conf" <<EOF
 AuthType=auth/munge

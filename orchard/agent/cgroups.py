@@ -132,11 +132,25 @@ class SandboxCgroup:
         return 0
 
 
-class CgroupManager:
-    """Creates sandbox cgroups under ``<hierarchy>/orchard/<agent>/<sandbox>``."""
+def own_v1_paths(proc_cgroup: str) -> dict[str, str]:
+    """This process's cgroup in each v1 controller, from /proc/self/cgroup."""
+    paths = {}
+    for line in proc_cgroup.splitlines():
+        _, controllers, path = line.split(":", 2)
+        for controller in controllers.split(","):
+            if controller:
+                paths[controller] = path
+    return paths
 
-    def __init__(self, agent_name: str) -> None:
+
+class CgroupManager:
+    """Creates sandbox cgroups under ``<hierarchy>/orchard/<agent>/<sandbox>``; with
+    ``below_own`` (cgroup v1), under the agent's own cgroup instead, so whatever bounds the
+    agent (a Slurm job's cgroup) bounds its sandboxes."""
+
+    def __init__(self, agent_name: str, below_own: bool = False) -> None:
         self.agent_name = agent_name
+        self.below_own = below_own
         self.mode, self.bases = self._detect()
 
     @property
@@ -148,7 +162,8 @@ class CgroupManager:
             return "none", {}
         v1 = {c: V1_ROOT / c for c in ("memory", "pids", "cpu") if (V1_ROOT / c / "cgroup.procs").exists()}
         if v1:
-            return "v1", {c: p / "orchard" / self.agent_name for c, p in v1.items()}
+            own = own_v1_paths(Path("/proc/self/cgroup").read_text()) if self.below_own else {}
+            return "v1", {c: p / own.get(c, "/").lstrip("/") / "orchard" / self.agent_name for c, p in v1.items()}
         if (V1_ROOT / "cgroup.controllers").exists():
             return "v2", {"unified": V1_ROOT / "orchard" / self.agent_name}
         return "none", {}

@@ -108,7 +108,8 @@ class AgentService:
                 if reason:
                     raise RuntimeUnavailable(reason)
         digest = hashlib.sha256(str(settings.state_dir.resolve()).encode()).hexdigest()[:10]
-        self.cgroups = CgroupManager(agent_name=f"{settings.state_dir.name}-{digest}")  # stable across restarts
+        self.cgroups = CgroupManager(agent_name=f"{settings.state_dir.name}-{digest}",  # stable across restarts
+                                     below_own=settings.cgroups_below_own)
         self._clean_leftovers()
         cache = settings.images_dir / str(owner[0]) if owner else settings.images_dir  # trees belong to their owner
         images = ImageStore(cache, owner, settings.image_policy(), self.reaper)

@@ -64,6 +64,8 @@ class AgentSettings(BaseModel):
     max_file_calls: int = Field(256, ge=1, description="file calls in flight over all sandboxes (more wait)")
     max_connections: int = Field(4096, ge=16, description="connections the agent serves at once (503 above)")
     max_list_entries: int = Field(10000, gt=0, description="most directory entries one files/list page returns")
+    cgroups_below_own: bool = Field(False, description="make sandbox cgroups below the agent's own (cgroup v1), so "
+                                    "limits on the agent's cgroup, such as a Slurm job's, bound its sandboxes too")
 
     @property
     def agent_dir(self) -> Path:

@@ -34,7 +34,7 @@ def _leftovers(client: AsyncClient) -> dict[str, int]:
     settings = getattr(getattr(client, "backend", None), "config", None)
     agent = getattr(settings, "agent", None)
     found = {"holder_processes": count_processes("orchard-hold"),
-             "sandbox_cgroups": sum(1 for _ in Path("/sys/fs/cgroup/pids/orchard").glob("*/*/cgroup.procs"))}
+             "sandbox_cgroups": sum(1 for _ in Path("/sys/fs/cgroup").glob("**/orchard/*/*/cgroup.procs"))}
     if agent is not None:
         found["sandbox_dirs"] = sum(1 for _ in agent.sandboxes_dir.iterdir())
         found["mounts"] = sum(1 for line in Path("/proc/self/mounts").read_text().splitlines()

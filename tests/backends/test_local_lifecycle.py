@@ -36,8 +36,8 @@ def test_delete_leaves_no_process_mount_directory_or_cgroup(orchard_client, agen
         assert mounts_under(agent_settings.sandboxes_dir) == []
         for sandbox_id in ids:
             assert not (agent_settings.sandboxes_dir / sandbox_id).exists()
-            for controller in ("memory", "pids"):
-                assert not list(Path(f"/sys/fs/cgroup/{controller}/orchard").glob(f"*/{sandbox_id}"))
+            # any hierarchy, v1 (memory/orchard/<agent>/<id>) or v2 (orchard/<agent>/<id>), nested or not
+            assert not list(Path("/sys/fs/cgroup").glob(f"**/orchard/*/{sandbox_id}"))
     finally:
         subprocess.run(["rm", "-rf", str(rootfs)])
 

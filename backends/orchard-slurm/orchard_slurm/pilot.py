@@ -65,6 +65,7 @@ def run_pilot(state_dir: str, runtime: str, host: Optional[str], max_sandboxes: 
     host = host or socket.gethostname()
     settings = AgentSettings(state_dir=state_dir, runtime=runtime, max_sandboxes=max_sandboxes,
                              idle_exit_seconds=None,  # the pool decides when an idle pilot ends
+                             cgroups_below_own=True,  # inside the job's cgroups: its limits bound the sandboxes
                              host_uid=host_ids[0], host_gid=host_ids[1], host_id_count=host_ids[2],
                              host_id_search=host_ids[3],
                              **{key: image_policy[key] for key in ("registries", "insecure_registries", "image_dirs",

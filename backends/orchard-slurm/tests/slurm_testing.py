@@ -71,3 +71,19 @@ def require(runtime: type) -> None:
     reason = runtime.unavailable_reason()
     if reason:
         pytest.fail(f"{runtime.name} cannot run here: {reason}")
+
+
+def lost_soon(client: Any, sandbox_id: str, seconds: float = 30) -> bool:
+    """Whether the sandbox reads ``lost`` within ``seconds``. While its agent is dead but its
+    job has not yet ended, the status is unknown: the call says AgentUnreachable (retryable)."""
+    from orchard.errors import AgentUnreachable
+
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            if client.get(sandbox_id).info.status == "lost":
+                return True
+        except AgentUnreachable:
+            pass
+        time.sleep(0.2)
+    return False

@@ -12,7 +12,7 @@ import pytest
 from orchard.bench.measure import count_processes
 from orchard.errors import InvalidRequest, OrchardError
 from orchard_slurm.runtimes.charliecloud import CharliecloudRuntime
-from slurm_testing import require, slurm_client, slurm_settings
+from slurm_testing import lost_soon, require, slurm_client, slurm_settings
 from tests.images import busybox_rootfs
 
 
@@ -136,8 +136,6 @@ def test_sandboxes_die_with_a_hard_killed_pilot_and_leave_no_mounts(slurm_cluste
         while holders() > before and time.monotonic() < deadline:
             time.sleep(0.1)
         assert holders() == before, "a sandbox outlived its hard-killed agent"
-        deadline = time.monotonic() + 30
-        while client.get(sandbox.id).info.status != "lost" and time.monotonic() < deadline:
-            time.sleep(0.2)
+        assert lost_soon(client, sandbox.id)
         client.delete(sandbox.id)
     assert not any("orchard-slurm-test" in str(p) and str(shared) in str(p) for p in mounts_below(Path("/")))

@@ -25,7 +25,10 @@
  *   --file         ARGV is a file operation (enter_files.c) done in place of a command,
  *                  from exactly where a command would run;
  *   --hold         instead of a command, be a sandbox's holder: PID 1 of its namespaces,
- *                  reaping orphans until killed; write one line to --ready-fd first.
+ *                  reaping orphans until killed; write one line to --ready-fd first;
+ *   --lifeline FD  (with --hold) exit, and so end the sandbox, when FD reads end of file:
+ *                  the agent holds the pipe's other end, so a container tool that keeps
+ *                  its own supervisor (Podman's conmon) never outlives the agent.
  *
  * Exit status 125 means the helper itself failed; its reason is on stderr.
  */
@@ -33,9 +36,11 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <grp.h>
+#include <poll.h>
 #include <linux/capability.h>
 #include <sched.h>
 #include <signal.h>
+#include <sys/signalfd.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -127,7 +132,7 @@ static void switch_ids(long uid, long gid) {
     if (uid >= 0 && setresuid(uid, uid, uid) < 0) die("setuid", NULL);
 }
 
-static int hold(int ready_fd) {
+static int hold(int ready_fd, int lifeline) {
     /* Not dumpable: a sandbox process of the same uid cannot ptrace its PID 1 and make it
        exit (which would lose the sandbox and free its pids for reuse). */
     if (prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) < 0) die("dumpable", NULL);
@@ -137,13 +142,27 @@ static int hold(int ready_fd) {
     sigemptyset(&chld);
     sigaddset(&chld, SIGCHLD);
     sigprocmask(SIG_BLOCK, &chld, NULL);
+    int children = signalfd(-1, &chld, SFD_CLOEXEC);
+    if (children < 0) die("signalfd", NULL);
     if (ready_fd >= 0) {
         if (write(ready_fd, "ready\n", 6) != 6) return 125;
         close(ready_fd);
     }
+    struct pollfd watched[2] = {{.fd = children, .events = POLLIN}, {.fd = lifeline, .events = POLLIN}};
     for (;;) {
-        sigwaitinfo(&chld, NULL);
-        while (waitpid(-1, NULL, WNOHANG) > 0) {}
+        if (poll(watched, lifeline >= 0 ? 2 : 1, -1) < 0) {
+            if (errno == EINTR) continue;
+            die("poll", NULL);
+        }
+        if (watched[0].revents) {
+            struct signalfd_siginfo info;
+            if (read(children, &info, sizeof info) < 0 && errno != EAGAIN) die("signalfd read", NULL);
+            while (waitpid(-1, NULL, WNOHANG) > 0) {}
+        }
+        if (lifeline >= 0 && watched[1].revents) {
+            char byte;
+            if (read(lifeline, &byte, 1) <= 0) return 0;  /* the agent is gone: so is the sandbox */
+        }
     }
 }
 
@@ -161,7 +180,7 @@ int main(int argc, char **argv) {
     int n_cgroups = 0;
     const char *target = NULL, *cwd = NULL;
     long uid = -1, gid = -1;
-    int i = 1, holder = 0, ready_fd = -1, file = 0, seccomp = 0, oom_first = 0, die_with_parent = 0;
+    int i = 1, holder = 0, ready_fd = -1, lifeline = -1, file = 0, seccomp = 0, oom_first = 0, die_with_parent = 0;
     for (; i < argc; i++) {
         if (!strcmp(argv[i], "--")) { i++; break; }
         if (!strcmp(argv[i], "--hold")) { holder = 1; continue; }
@@ -176,9 +195,10 @@ int main(int argc, char **argv) {
         else if (!strcmp(argv[i], "--uid")) uid = strtol(argv[++i], NULL, 10);
         else if (!strcmp(argv[i], "--gid")) gid = strtol(argv[++i], NULL, 10);
         else if (!strcmp(argv[i], "--ready-fd")) ready_fd = (int)strtol(argv[++i], NULL, 10);
+        else if (!strcmp(argv[i], "--lifeline")) lifeline = (int)strtol(argv[++i], NULL, 10);
         else { fprintf(stderr, "orchard-enter: unknown option %s\n", argv[i]); return 125; }
     }
-    if (holder) return hold(ready_fd);
+    if (holder) return hold(ready_fd, lifeline);
     if (i >= argc) { fprintf(stderr, "orchard-enter: no command\n"); return 125; }
     char **command = argv + i;
 

@@ -44,7 +44,7 @@ d="$1"; shift
 mount -n -t tmpfs -o mode=0755,nosuid,size=64k tmpfs "$d"
 for n in null zero full random urandom tty; do : > "$d/$n"; mount -n --bind "/dev/$n" "$d/$n"; done
 mkdir "$d/shm" "$d/pts"
-mount -n -t tmpfs -o mode=1777,nosuid,nodev tmpfs "$d/shm"
+mount -n -t tmpfs -o mode=1777,nosuid,nodev,size=64m tmpfs "$d/shm"  # as Docker and Podman size it
 ln -s /proc/self/fd "$d/fd"; ln -s /proc/self/fd/0 "$d/stdin"
 ln -s /proc/self/fd/1 "$d/stdout"; ln -s /proc/self/fd/2 "$d/stderr"
 mount -n --move "$d" /dev

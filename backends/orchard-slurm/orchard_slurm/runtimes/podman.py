@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from orchard.agent.cgroups import own_v1_paths
 from orchard.agent.inroot import exists_in_root
 from orchard.agent.reaper import run_tool
 from orchard.agent.runtimes.api import DEFAULT_PATH, IsolationRuntime
@@ -33,6 +34,8 @@ from orchard.quantities import parse_cpu, parse_memory
 from orchard_slurm.runtimes.processes import process_exit
 
 HOLD_PATH = "/.orchard-hold"
+LIFELINE_FD = 3  # the first descriptor ``--preserve-fds 1`` hands to the container
+HOLD_ARGS = ["--hold", "--lifeline", str(LIFELINE_FD)]
 CONTAINERS_CONF = """[containers]
 default_ulimits = ["nofile=20000:20000", "nproc=32768:32768"]
 [engine]
@@ -53,12 +56,15 @@ def masked_proc_paths() -> list[str]:
 
 
 def run_options(sandbox_id: str, block_network: bool, helper: Path, idmap: Optional[tuple[int, int]],
-                memory: Optional[str], pids: Optional[int], cpu: Optional[str]) -> list[str]:
+                memory: Optional[str], pids: Optional[int], cpu: Optional[str],
+                cgroup_parent: Optional[str] = None) -> list[str]:
     """``podman run`` options of one sandbox (see the module docstring for why)."""
     options = ["-d", "--name", container_name(sandbox_id), "--hostname", sandbox_id[:63],
                "--network", "none" if block_network else "host", "--cap-drop", "all", "--cgroupns", "private",
                "--security-opt", "no-new-privileges", "--security-opt", f"mask={':'.join(masked_proc_paths())}",
-               "-v", f"{helper}:{HOLD_PATH}:ro", "--entrypoint", HOLD_PATH]
+               "-v", f"{helper}:{HOLD_PATH}:ro", "--entrypoint", HOLD_PATH, "--preserve-fds", "1"]
+    if cgroup_parent:
+        options += ["--cgroup-parent", cgroup_parent]
     if idmap:
         options += ["--uidmap", f"0:{idmap[0]}:65536", "--gidmap", f"0:{idmap[1]}:65536"]
     if memory:
@@ -110,6 +116,7 @@ class PodmanRuntime(IsolationRuntime):
         self._imports: dict[str, asyncio.Lock] = {}
         self._imported: set[str] = set()
         self._cgroups: dict[str, list[str]] = {}
+        self._lifelines: dict[str, int] = {}  # sandbox id -> the write end of its lifeline
 
     @classmethod
     def unavailable_reason(cls) -> Optional[str]:
@@ -133,8 +140,25 @@ class PodmanRuntime(IsolationRuntime):
                 "CONTAINERS_CONF": str(conf), "CONTAINERS_STORAGE_CONF": str(storage),
                 **{k: v for k, v in os.environ.items() if k == "XDG_RUNTIME_DIR"}}
 
-    async def _podman(self, *args: str) -> str:
-        code, out, err = await run_tool(self.context.reaper, ["podman", *args], self._env)
+    def _cgroup_parent(self) -> Optional[str]:
+        """Below the agent's own memory cgroup when asked (``cgroups_below_own``: a pilot, whose
+        job's memory limit must bound its containers too), else Podman's ``libpod_parent``."""
+        if not self.context.settings.cgroups_below_own:
+            return None
+        own = own_v1_paths(Path("/proc/self/cgroup").read_text()).get("memory", "/")
+        return None if own == "/" else f"{own.rstrip('/')}/orchard-podman"
+
+    def _lifeline(self, sandbox_id: str) -> int:
+        """The read end of the sandbox's lifeline: its holder exits, ending the container, when
+        the write end this agent keeps (close-on-exec, so nothing else holds it) closes, as it
+        does when the agent dies. conmon, not us, supervises the container: without this it
+        outlived a killed agent, and its Slurm job."""
+        read_end, write_end = os.pipe2(os.O_CLOEXEC)
+        self._lifelines[sandbox_id] = write_end
+        return read_end
+
+    async def _podman(self, *args: str, pass_fds: Optional[dict[int, int]] = None) -> str:
+        code, out, err = await run_tool(self.context.reaper, ["podman", *args], self._env, pass_fds)
         if code != 0:
             raise RuntimeUnavailable(f"podman {args[0]} failed: {err.strip()[-1500:] or f'exit {code}'}")
         return out
@@ -181,10 +205,14 @@ class PodmanRuntime(IsolationRuntime):
         name = container_name(sandbox.sandbox_id)
         sandbox.state_dir.mkdir(parents=True, exist_ok=True)
         pidfile = sandbox.state_dir / "container.pid"
-        await self._podman("run", "--pidfile", str(pidfile), *run_options(
-            sandbox.sandbox_id, spec.block_network, self.context.helper, idmap,
-            spec.memory or settings.default_memory, spec.pids or settings.default_pids, spec.cpu),
-            image, "--hold")
+        lifeline = self._lifeline(sandbox.sandbox_id)
+        try:
+            await self._podman("run", "--pidfile", str(pidfile), *run_options(
+                sandbox.sandbox_id, spec.block_network, self.context.helper, idmap,
+                spec.memory or settings.default_memory, spec.pids or settings.default_pids, spec.cpu,
+                self._cgroup_parent()), image, *HOLD_ARGS, pass_fds={lifeline: LIFELINE_FD})
+        finally:
+            os.close(lifeline)  # the container holds it now
         try:
             pid = int(pidfile.read_text().strip())
         except (OSError, ValueError):
@@ -205,6 +233,9 @@ class PodmanRuntime(IsolationRuntime):
 
     async def stop(self, sandbox: SandboxState) -> None:
         self._cgroups.pop(sandbox.sandbox_id, None)
+        lifeline = self._lifelines.pop(sandbox.sandbox_id, None)
+        if lifeline is not None:
+            os.close(lifeline)
         if sandbox.placement is not None:
             code, _, err = await run_tool(self.context.reaper, ["podman", "rm", "-f", "-t", "0",
                                                                 container_name(sandbox.sandbox_id)],
