@@ -158,7 +158,9 @@ class PodmanRuntime(IsolationRuntime):
         return read_end
 
     async def _podman(self, *args: str, pass_fds: Optional[dict[int, int]] = None) -> str:
-        code, out, err = await run_tool(self.context.reaper, ["podman", *args], self._env, pass_fds)
+        # conmon writes files (an "oom" marker) relative to where it starts: in our home, not the job's cwd
+        code, out, err = await run_tool(self.context.reaper, ["env", "-C", str(self.home), "podman", *args],
+                                        self._env, pass_fds)
         if code != 0:
             raise RuntimeUnavailable(f"podman {args[0]} failed: {err.strip()[-1500:] or f'exit {code}'}")
         return out
