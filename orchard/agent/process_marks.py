@@ -10,6 +10,7 @@ import os
 import signal
 
 MARK = "ORCHARD_JOB"
+MAX_ENVIRON = 1 << 20  # read at most this much of each process's environment
 
 
 def marked(job_id: str) -> list[int]:
@@ -21,7 +22,7 @@ def marked(job_id: str) -> list[int]:
             continue
         try:
             with open(f"/proc/{entry.name}/environ", "rb") as environ:
-                if needle in environ.read().split(b"\0"):
+                if needle in environ.read(MAX_ENVIRON).split(b"\0"):  # a hostile environment can be huge
                     found.append(int(entry.name))
         except OSError:
             continue  # gone, or not ours to read
