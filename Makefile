@@ -30,11 +30,11 @@ system-deps:
 
 venv: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml plugins/orchard-remote-agent/pyproject.toml backends/orchard-slurm/pyproject.toml
+$(VENV)/.installed: pyproject.toml plugins/orchard-remote-agent/pyproject.toml backends/orchard-slurm/pyproject.toml backends/orchard-k8s/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==$(TORCH_VERSION)  # the CPU build on disk; an unpinned torch pulls a CUDA one
-	$(PIP) install -q -e '.[test,train]' -e plugins/orchard-remote-agent -e backends/orchard-slurm
+	$(PIP) install -q -e '.[test,train]' -e plugins/orchard-remote-agent -e backends/orchard-slurm -e backends/orchard-k8s
 	touch $@
 
 bench: system-deps venv  ## the figures of docs/benchmarks.md

@@ -122,9 +122,13 @@ def test_default_seccomp_filter_denies_kernel_keyrings(sandbox):
 
 
 def test_host_global_proc_entries_are_masked(sandbox):
-    for name in ("kallsyms", "timer_list", "sysrq-trigger", "kcore"):
+    for name in ("timer_list", "sysrq-trigger", "kcore"):
         result = sandbox.exec(f"test -e /proc/{name} || exit 0; wc -c < /proc/{name}")
         assert result.stdout.strip() in ("", "0"), (name, result)
+    # kallsyms: masked, or (as Kubernetes' container runtimes leave it) with every kernel
+    # address hidden; symbol names alone are the same on every machine with this kernel
+    leak = sandbox.exec("test -r /proc/kallsyms || exit 0; awk '$1 !~ /^0+$/ {print; exit}' /proc/kallsyms")
+    assert leak.stdout == "", leak
     mounts = sandbox.exec("awk '$5 == \"/proc/sys\" {print $6}' /proc/self/mountinfo").stdout
     assert mounts.startswith("ro"), mounts
 

@@ -1,0 +1,224 @@
+"""``k8s``: one pod per sandbox, the exec agent injected into the task image.
+
+The API server sees three calls per sandbox life cycle (create the pod, create its key's
+Secret, owned by the pod; delete the pod, which takes the Secret with it) plus one watch
+shared by all sandboxes; exec and file calls go straight to the pod's IP. Creations are
+bounded (``create_concurrency``) and retried with backoff on 429 and 5xx answers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import secrets
+from typing import Any, Callable, Optional
+
+from orchard.backends.agent_backed import AgentBackedBackend, AgentSite
+from orchard.backends.api import AgentEndpoint
+from orchard.client.http import ApiClient
+from orchard.errors import BackendUnavailable, ImageRejected, InvalidRequest, SandboxConflict, SandboxNotFound
+from orchard.models import Sandbox, SandboxSpec
+from orchard_k8s import manifests, pods
+from orchard_k8s.config import K8sConfig
+
+
+class KubernetesBackend(AgentBackedBackend):
+    name = "k8s"
+    config_model = K8sConfig
+
+    def __init__(self, config: K8sConfig) -> None:
+        super().__init__(config)
+        self.config: K8sConfig = config
+        self.api_calls = 0  # requests made to the API server (the watch's own excluded)
+        self._core: Any = None
+        self._watch: Any = None
+        self._started = asyncio.Lock()
+        self._slots = asyncio.Semaphore(config.create_concurrency)
+        self._agents: dict[str, ApiClient] = {}  # pod name -> client of its agent
+        self._tokens: dict[str, str] = {}  # pod name -> its agent's key
+
+    @classmethod
+    def unavailable_reason(cls) -> Optional[str]:
+        try:
+            import kubernetes  # noqa: F401
+        except ImportError:
+            return "the kubernetes client is not installed (pip install kubernetes)"
+        return None
+
+    def start_timeout(self, spec: SandboxSpec) -> float:
+        return spec.timeout or self.config.start_timeout
+
+    # -- the API server ------------------------------------------------------------------
+    async def _start(self) -> None:
+        """Connect, make the namespace's network policies (once), and start the shared watch."""
+        if self._watch is not None:
+            return
+        async with self._started:
+            if self._watch is not None:
+                return
+            from kubernetes import client, config as kube_config
+
+            from orchard_k8s.watch import PodWatch
+
+            if self.config.kubeconfig:
+                api = await asyncio.to_thread(kube_config.new_client_from_config, self.config.kubeconfig,
+                                              self.config.context)
+            else:
+                kube_config.load_incluster_config()
+                api = client.ApiClient()
+            self._core = client.CoreV1Api(api)
+            networking = client.NetworkingV1Api(api)
+            for policy in manifests.network_policies(self.config):
+                await self._call(networking.create_namespaced_network_policy, self.config.namespace, policy,
+                                 exists_ok=True)
+            watcher = PodWatch(self._core, self.config.namespace, manifests.selector(self.config),
+                               asyncio.get_running_loop())
+            watcher.start()
+            await asyncio.wait_for(watcher.synced.wait(), 60)
+            self._watch = watcher
+
+    async def _call(self, method: Callable[..., Any], *args: Any, exists_ok: bool = False,
+                    missing_ok: bool = False, **kwargs: Any) -> Any:
+        """One API request, retried with backoff when the server is busy (429) or failing (5xx)."""
+        from kubernetes.client.exceptions import ApiException
+
+        for attempt in range(self.config.api_retries + 1):
+            self.api_calls += 1
+            try:
+                return await asyncio.to_thread(method, *args, **kwargs)
+            except ApiException as exc:
+                if exc.status == 409 and exists_ok or exc.status == 404 and missing_ok:
+                    return None
+                if exc.status == 409:
+                    raise SandboxConflict(f"already exists: {exc.reason}") from None
+                if exc.status in (400, 422):
+                    raise InvalidRequest(f"the API server refused the pod: {exc.body or exc.reason}") from None
+                if exc.status != 429 and exc.status < 500 or attempt == self.config.api_retries:
+                    raise BackendUnavailable(f"Kubernetes API: {exc.status} {exc.reason}") from None
+                retry_after = (exc.headers or {}).get("Retry-After")
+                await asyncio.sleep(float(retry_after) if retry_after and retry_after.isdigit()
+                                    else min(5.0, 0.1 * 2 ** attempt))
+        raise AssertionError("unreachable")
+
+    # -- sites ---------------------------------------------------------------------------
+    async def _token(self, name: str, sandbox_id: str) -> str:
+        """The agent's key: known since we made it, or read from its Secret (after a restart)."""
+        if name not in self._tokens:
+            secret = await self._call(self._core.read_namespaced_secret, manifests.secret_name(sandbox_id),
+                                      self.config.namespace)
+            self._tokens[name] = base64.b64decode(secret.data["token"]).decode()
+        return self._tokens[name]
+
+    async def _site(self, sandbox_id: str, pod: Optional[dict[str, Any]]) -> AgentSite:
+        name = manifests.pod_name(sandbox_id)
+        lost = pods.lost_reason(pod)
+        if lost is not None or pod is None:
+            return AgentSite(name, None, None, placed={sandbox_id}, lost=lost)
+        ip = (pod.get("status") or {}).get("podIP")
+        if not ip:
+            return AgentSite(name, None, None, placed={sandbox_id})
+        url = f"http://{ip}:{self.config.agent_port}"
+        token = await self._token(name, sandbox_id)
+        api = self._agents.get(name)
+        if api is None or api.url != url:
+            api = self._agents[name] = ApiClient(url, token, retries=2)
+        return AgentSite(name, api, AgentEndpoint(url=url, token=token), placed={sandbox_id})
+
+    # -- placement: a pod of its own -----------------------------------------------------
+    async def place(self, spec: SandboxSpec) -> AgentSite:
+        if spec.pids:
+            raise InvalidRequest("pids: a pod's process limit is the node's (kubelet podPidsLimit); "
+                                 "per-sandbox pids limits are not applied by the k8s backend")
+        await self._start()
+        sandbox_id = str(spec.sandbox_id)
+        name = manifests.pod_name(sandbox_id)
+        token = secrets.token_urlsafe(32)
+        async with self._slots:
+            made = await self._call(self._core.create_namespaced_pod, self.config.namespace,
+                                    manifests.pod_manifest(spec, self.config))
+            self._tokens[name] = token
+            owner = {"name": made.metadata.name, "uid": made.metadata.uid}
+            await self._call(self._core.create_namespaced_secret, self.config.namespace,
+                             manifests.secret_manifest(sandbox_id, token, self.config, owner))
+        try:
+            pod = await self._watch.wait_for(
+                name, lambda p: p is None or pods.is_ready(p) or pods.start_failure(p) is not None,
+                self.start_timeout(spec))
+        except asyncio.TimeoutError:
+            why = pods.unschedulable(self._watch.pods.get(name) or {}) or "not ready in time"
+            await self._delete(name)
+            raise BackendUnavailable(f"pod {name} for sandbox {sandbox_id!r}: {why}") from None
+        failure = pods.start_failure(pod) if pod is not None else "its pod was deleted while starting"
+        if failure is not None:
+            await self._delete(name)
+            if "Image" in failure.split(":")[0]:
+                raise ImageRejected(f"image {spec.image!r}: {failure}")
+            raise BackendUnavailable(f"pod {name} for sandbox {sandbox_id!r} did not start: {failure}")
+        return await self._site(sandbox_id, pod)
+
+    async def placed(self, sandbox_id: str) -> Optional[AgentSite]:
+        await self._start()
+        pod = self._watch.pods.get(manifests.pod_name(sandbox_id))
+        return None if pod is None else await self._site(sandbox_id, pod)
+
+    async def locate(self, sandbox_id: str) -> AgentSite:
+        await self._start()
+        pod = self._watch.pods.get(manifests.pod_name(sandbox_id))
+        if pod is None or (pod.get("metadata") or {}).get("annotations", {}).get(manifests.SANDBOX_ANNOTATION) \
+                != sandbox_id:
+            raise SandboxNotFound(f"sandbox {sandbox_id!r} not found")
+        return await self._site(sandbox_id, pod)
+
+    async def sites(self) -> list[AgentSite]:
+        await self._start()
+        found = []
+        for pod in list(self._watch.pods.values()):
+            sandbox_id = ((pod.get("metadata") or {}).get("annotations") or {}).get(manifests.SANDBOX_ANNOTATION)
+            if sandbox_id and (pods.is_ready(pod) or pods.lost_reason(pod) is not None):
+                found.append(await self._site(sandbox_id, pod))
+        return found
+
+    async def recheck(self, site: AgentSite) -> AgentSite:
+        (sandbox_id,) = site.placed or {""}
+        await asyncio.sleep(0.5)  # the watch reports an evicted or deleted pod within moments
+        return await self._site(sandbox_id, self._watch.pods.get(site.key))
+
+    async def release(self, site: AgentSite, sandbox_id: str, *, failed: bool = False) -> None:
+        await self._delete(site.key)
+
+    async def _delete(self, name: str) -> None:
+        from kubernetes.client import V1DeleteOptions
+
+        await self._call(self._core.delete_namespaced_pod, name, self.config.namespace, missing_ok=True,
+                         body=V1DeleteOptions(grace_period_seconds=0, propagation_policy="Background"))
+        self._tokens.pop(name, None)
+        api = self._agents.pop(name, None)
+        if api is not None:
+            await api.close()
+
+    def agent_spec(self, spec: SandboxSpec) -> SandboxSpec:
+        # the pod is the sandbox: its agent runs commands in place; limits are the pod's
+        return spec.model_copy(update={"image": "host", "memory": None, "cpu": None, "disk": None, "pids": None})
+
+    def answered(self, body: dict[str, Any], spec: Optional[SandboxSpec] = None) -> Sandbox:
+        """The agent in a pod sees image 'host' and no limits: report what the pod was made with."""
+        if spec is None:
+            pod = self._watch.pods.get(manifests.pod_name(str(body.get("sandbox_id", "")))) if self._watch else None
+            spec = manifests.spec_of(((pod or {}).get("metadata") or {}).get("annotations") or {})
+        sandbox = super().answered(body, spec)
+        if spec is not None:
+            sandbox = sandbox.model_copy(update={"cpu": spec.cpu, "memory": spec.memory, "disk": spec.disk})
+        return sandbox
+
+    async def resources(self) -> dict[str, Any]:
+        await self._start()
+        return {"pods": len(self._watch.pods), "api_calls": self.api_calls, "watch_lists": self._watch.lists,
+                "namespace": self.config.namespace, "instance": self.config.instance}
+
+    async def close(self) -> None:
+        for api in self._agents.values():
+            await api.close()
+        self._agents.clear()
+        if self._watch is not None:
+            self._watch.stop()
+            self._watch = None

@@ -1,0 +1,126 @@
+"""The k8s backend through the real ``kubernetes`` client against the Pod-API test server
+(a test double of the API server and kubelet, see pod_api_server.py)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from pod_api_server import KIT_IMAGE
+from orchard.client import Client
+from orchard.errors import ImageRejected, InvalidRequest
+from orchard_k8s import manifests
+
+
+@pytest.fixture
+def k8s(k8s_settings):
+    with Client(backend="k8s", backend_settings=k8s_settings) as client:
+        yield client
+
+
+def test_a_sandbox_is_a_pod_with_the_agent_inside_and_costs_three_api_calls(k8s, pod_api):
+    before = pod_api.pod_calls()
+    watches = pod_api.watches
+    sandbox = k8s.create(KIT_IMAGE, labels={"task": "demo"})
+    assert sandbox.info.image == KIT_IMAGE and sandbox.info.backend == "k8s"
+    assert sandbox.exec("echo hello from $(cat /proc/sys/kernel/hostname)").stdout == f"hello from {manifests.pod_name(sandbox.id)}\n"
+    sandbox.upload("notes.txt", "kept\n")
+    assert sandbox.download("notes.txt") == b"kept\n"
+    assert k8s.get(sandbox.id).info.status == "ready"
+    assert sandbox.id in {s.sandbox_id for s in k8s.list()}
+    sandbox.delete()
+    assert pod_api.pod_calls() - before == 3  # create pod, create its key's Secret, delete the pod
+    assert pod_api.watches - watches <= 1  # one shared watch (opened once per backend)
+    name = manifests.pod_name(sandbox.id)
+    assert ("pods", "orchard-test", name) not in pod_api.objects
+    assert ("secrets", "orchard-test", manifests.secret_name(sandbox.id)) not in pod_api.objects  # owned by the pod
+
+
+def test_the_agent_key_is_never_in_the_pod_spec(k8s, pod_api):
+    with k8s.create(KIT_IMAGE) as sandbox:
+        pod = pod_api.objects[("pods", "orchard-test", manifests.pod_name(sandbox.id))]
+        secret = pod_api.objects[("secrets", "orchard-test", manifests.secret_name(sandbox.id))]
+        import base64
+
+        token = base64.b64decode(secret["data"]["token"]).decode()
+        assert len(token) > 30 and token not in str(pod)
+
+
+def test_an_image_that_cannot_be_pulled_fails_within_seconds_with_the_registrys_reason(k8s, pod_api):
+    pod_api.pull_errors["registry.test/missing:1"] = 'rpc error: manifest for registry.test/missing:1 not found'
+    started = time.monotonic()
+    with pytest.raises(ImageRejected, match="ErrImagePull.*manifest for registry.test/missing:1 not found"):
+        k8s.create("registry.test/missing:1")
+    assert time.monotonic() - started < 10
+    assert not [key for key in pod_api.objects if key[0] == "pods" and "missing" in str(pod_api.objects[key])]
+
+
+def test_unschedulable_pods_say_why(k8s_settings, pod_api):
+    pod_api.unschedulable = "0/3 nodes are available: 3 Insufficient nvidia.com/gpu."
+    try:
+        with Client(backend="k8s", backend_settings={**k8s_settings, "start_timeout": 2}) as client:
+            with pytest.raises(Exception, match="Unschedulable: 0/3 nodes are available: 3 Insufficient"):
+                client.create(KIT_IMAGE)
+    finally:
+        pod_api.unschedulable = None
+
+
+@pytest.mark.parametrize("fault,reason", [("evict", "Evicted: The node was low on resource: memory"),
+                                          ("oom_kill", "OOMKilled"),
+                                          ("lose_node", "DeletionByTaintManager"),
+                                          ("preempt", "PreemptionByScheduler")])
+def test_a_pod_that_goes_away_marks_its_sandbox_lost_with_the_reason(k8s, pod_api, fault, reason):
+    sandbox = k8s.create(KIT_IMAGE)
+    name = manifests.pod_name(sandbox.id)
+    if fault == "oom_kill":
+        pod_api.oom_kill(name)
+    else:
+        getattr(pod_api, fault)("orchard-test", name)
+    deadline = time.monotonic() + 10
+    while (info := k8s.get(sandbox.id).info).status != "lost":
+        assert time.monotonic() < deadline, info
+        time.sleep(0.1)
+    assert reason in (info.status_message or ""), info.status_message
+    sandbox.delete()
+
+
+def test_api_throttling_and_server_errors_are_retried(k8s, pod_api):
+    pod_api.inject(429, 500, 503)
+    with k8s.create(KIT_IMAGE) as sandbox:
+        assert sandbox.exec("echo through").stdout == "through\n"
+
+
+def test_the_watch_lists_again_after_410_gone(k8s_settings, pod_api):
+    from orchard.client.aio import AsyncClient  # noqa: F401  (the backend object is reached below)
+    from orchard.backends.loading import load_backend
+    import asyncio
+
+    async def scenario() -> None:
+        backend = load_backend("k8s", k8s_settings)
+        await backend.resources()  # starts the shared watch
+        lists = backend._watch.lists
+        pod_api.compact()  # the API server forgot the history: the watch's version is gone
+        from orchard.models import SandboxSpec
+
+        sandbox = await backend.create(SandboxSpec(image=KIT_IMAGE))
+        assert backend._watch.lists > lists  # it listed again, and still saw the new pod get ready
+        await backend.delete(sandbox.sandbox_id)
+        await backend.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_restarted_server_adopts_its_pods(k8s_settings):
+    with Client(backend="k8s", backend_settings=k8s_settings) as first:
+        sandbox = first.create(KIT_IMAGE)
+        sandbox.exec("echo remembered > /tmp/state")
+    with Client(backend="k8s", backend_settings=k8s_settings) as second:  # its key read from the Secret
+        again = second.get(sandbox.id)
+        assert again.exec("cat /tmp/state").stdout == "remembered\n"
+        again.delete()
+
+
+def test_limits_a_pod_cannot_have_are_refused_by_name(k8s):
+    with pytest.raises(InvalidRequest, match="pids"):
+        k8s.create(KIT_IMAGE, pids=64)
