@@ -106,3 +106,16 @@ def test_the_sdk_chooses_sandbox_ids_so_a_retried_create_makes_one_sandbox():
         assert sandbox.id.startswith("sbx-")
     finally:
         server.close()
+
+
+def test_an_address_reused_by_a_new_agent_gets_a_client_with_the_new_key():
+    """Per-job relays and pod IPs are reused by later agents with other keys: a client cached
+    by address alone sent the old key (a per-job upload failed with 401)."""
+    from orchard.client.aio import AsyncClient
+    from orchard.backends.local.backend import LocalBackend, LocalBackendConfig
+
+    client = AsyncClient(backend=LocalBackend(LocalBackendConfig()))
+    first = client._agent_at("http://127.0.0.1:4242", "old-key")
+    again = client._agent_at("http://127.0.0.1:4242", "old-key")
+    fresh = client._agent_at("http://127.0.0.1:4242", "new-key")
+    assert first is again and fresh is not first

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import AsyncIterator, Optional
 
-from orchard.agent.process_marks import MARK, kill_marked
+from orchard.agent.process_marks import MARK, kill_marked, new_mark
 from orchard.agent.reaper import ChildReaper
 from orchard.agent.runtimes.api import IsolationRuntime
 from orchard.agent.sandbox import SandboxState
@@ -125,7 +125,8 @@ class JobRunner:
         job_cgroup = sandbox.cgroup.job_dir() if sandbox.cgroup is not None else None
         argv = runtime.command(sandbox, shell_argv(placement.shell, request.command_text(), request.login_shell), cwd,
                                job_cgroup)
-        env = {**placement.env, **request.env, MARK: job.job_id}
+        mark = new_mark()
+        env = {**placement.env, **request.env, MARK: mark}
         record.stdout = SpoolFile("stdout", self.max_output_bytes)
         record.stderr = SpoolFile("stderr", self.max_output_bytes)
         stdin_fd = -1
@@ -149,7 +150,7 @@ class JobRunner:
                 if job_cgroup is not None and sandbox.cgroup is not None:
                     sandbox.cgroup.kill_all(job_cgroup)
                 else:
-                    await asyncio.to_thread(kill_marked, job.job_id)
+                    await asyncio.to_thread(kill_marked, mark)
         finally:
             if stdin_fd >= 0:
                 os.close(stdin_fd)

@@ -10,13 +10,14 @@ as ``lost`` with the reason, and believing an agent only about the sandboxes pla
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import secrets
 from abc import abstractmethod
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from orchard.backends.api import AgentEndpoint, Backend
+from orchard.backends.api import AgentEndpoint, Backend, BackendConfig
 from orchard.client.http import ApiClient
 from orchard.errors import AgentUnreachable, OrchardError, SandboxLost
 from orchard.models import Sandbox, SandboxSpec
@@ -45,6 +46,10 @@ class AgentBackedBackend(Backend):
     """Forwards sandbox life cycles to the agent its placement hooks name."""
 
     create_grace_seconds = 30.0  # on top of the sandbox's own start timeout
+
+    def __init__(self, config: BackendConfig) -> None:
+        super().__init__(config)
+        self._creating: dict[str, asyncio.Lock] = {}  # sandbox id -> its create in flight
 
     def start_timeout(self, spec: SandboxSpec) -> float:
         """How long the agent may take to start this sandbox (``spec.timeout`` when given)."""
@@ -99,7 +104,19 @@ class AgentBackedBackend(Backend):
 
     # -- the Backend interface ---------------------------------------------------------
     async def create(self, spec: SandboxSpec) -> Sandbox:
+        """Creates with the same id run one at a time: a second waits, then finds the first's
+        placement (idempotent, or a conflict), and can never undo it."""
         spec = spec.model_copy(update={"sandbox_id": spec.sandbox_id or f"sbx-{secrets.token_hex(6)}"})
+        sandbox_id = str(spec.sandbox_id)
+        lock = self._creating.setdefault(sandbox_id, asyncio.Lock())
+        try:
+            async with lock:
+                return await self._create(spec)
+        finally:
+            if not lock.locked() and self._creating.get(sandbox_id) is lock:
+                del self._creating[sandbox_id]
+
+    async def _create(self, spec: SandboxSpec) -> Sandbox:
         site = await self.placed(str(spec.sandbox_id))
         fresh = site is None
         if site is None:

@@ -215,9 +215,12 @@ class AsyncClient:
         return self._agent_at(endpoint.url, endpoint.token)
 
     def _agent_at(self, url: str, token: Optional[str] = None) -> ApiClient:
-        api = self._agents.get(url)
+        """One client per agent, known by address *and* key: an address is reused when a
+        per-job sandbox's relay or a pod's IP goes to a new agent, whose key differs."""
+        key = f"{url} {token}"
+        api = self._agents.get(key)
         if api is None:
-            api = self._agents[url] = ApiClient(url, token, timeout=self._timeout, retries=self._retries)
+            api = self._agents[key] = ApiClient(url, token, timeout=self._timeout, retries=self._retries)
         return api
 
     async def control_request(self, method: str, path: str, **kwargs: Any) -> Any:

@@ -18,8 +18,12 @@ from orchard.backends.api import AgentEndpoint
 from orchard.client.http import ApiClient
 from orchard.errors import BackendUnavailable, ImageRejected, InvalidRequest, SandboxConflict, SandboxNotFound
 from orchard.models import Sandbox, SandboxSpec
+from orchard.quantities import parse_memory
 from orchard_k8s import manifests, pods
 from orchard_k8s.config import K8sConfig
+
+
+MIN_MEMORY = 64 << 20  # the agent (about 40 MB) runs inside the pod's memory limit
 
 
 class KubernetesBackend(AgentBackedBackend):
@@ -126,6 +130,9 @@ class KubernetesBackend(AgentBackedBackend):
 
     # -- placement: a pod of its own -----------------------------------------------------
     async def place(self, spec: SandboxSpec) -> AgentSite:
+        if spec.memory and parse_memory(spec.memory) < MIN_MEMORY:
+            raise InvalidRequest(f"memory: at least {MIN_MEMORY >> 20}Mi on the k8s backend: the exec agent "
+                                 "shares its pod's memory (about 40 MB)")
         if spec.pids:
             raise InvalidRequest("pids: a pod's process limit is the node's (kubelet podPidsLimit); "
                                  "per-sandbox pids limits are not applied by the k8s backend")
@@ -140,10 +147,18 @@ class KubernetesBackend(AgentBackedBackend):
             owner = {"name": made.metadata.name, "uid": made.metadata.uid}
             await self._call(self._core.create_namespaced_secret, self.config.namespace,
                              manifests.secret_manifest(sandbox_id, token, self.config, owner))
+        seen = False
+
+        def settled(pod: Optional[dict[str, Any]]) -> bool:
+            """Ready, failing, or gone after the watch saw it (not yet seen is not gone)."""
+            nonlocal seen
+            if pod is None:
+                return seen
+            seen = True
+            return pods.is_ready(pod) or pods.start_failure(pod) is not None
+
         try:
-            pod = await self._watch.wait_for(
-                name, lambda p: p is None or pods.is_ready(p) or pods.start_failure(p) is not None,
-                self.start_timeout(spec))
+            pod = await self._watch.wait_for(name, settled, self.start_timeout(spec))
         except asyncio.TimeoutError:
             why = pods.unschedulable(self._watch.pods.get(name) or {}) or "not ready in time"
             await self._delete(name)

@@ -27,6 +27,7 @@ from orchard.backends.agent_backed import AgentBackedBackend, AgentSite
 from orchard.backends.api import AgentEndpoint
 from orchard.errors import BackendUnavailable, InvalidRequest
 from orchard.models import SandboxSpec
+from orchard.quantities import parse_memory
 from orchard_slurm.config import SlurmConfig
 from orchard_slurm.pool import Pilot, PilotPool
 
@@ -76,6 +77,11 @@ class SlurmBackend(AgentBackedBackend):
             raise
 
     async def place(self, spec: SandboxSpec) -> AgentSite:
+        share = self.config.sandbox_memory_share()
+        if spec.memory and parse_memory(spec.memory) > share:
+            raise InvalidRequest(f"memory: at most {share >> 20} MiB per sandbox on these pilots (mem_per_pilot_gb "
+                                 f"{self.config.mem_per_pilot_gb:g}, less 256 MiB for the agent, shared by "
+                                 f"sandboxes_per_pilot {self.config.sandboxes_per_pilot})")
         pilot = await self.pool.place_on_pilot()
         self._reserve(pilot, str(spec.sandbox_id))
         return await self._started(pilot, str(spec.sandbox_id))
@@ -108,7 +114,8 @@ class SlurmBackend(AgentBackedBackend):
         if pilot is None:
             return
         pilot.sandboxes.discard(sandbox_id)
-        self.pool.owner.pop(sandbox_id, None)
+        if self.pool.owner.get(sandbox_id) == pilot.pilot_id:  # never another pilot's claim to this id
+            del self.pool.owner[sandbox_id]
         if not pilot.sandboxes:
             pilot.idle_since = time.time()
         if not failed:

@@ -78,6 +78,15 @@ class SlurmConfig(BackendConfig):
         block = self.sandboxes_per_pilot + 1
         return self.host_uid, self.host_gid, block, self.host_id_count // block
 
+    def sandbox_memory_share(self) -> int:
+        """Bytes of the pilot job's memory each of its sandboxes may use: the job's memory,
+        less a reserve for the agent, split evenly. Sandbox cgroups sit inside the job's, so
+        limits above this share would let one sandbox run the whole pilot (and its
+        neighbours) out of memory."""
+        reserve = 256 << 20
+        total = int(self.mem_per_pilot_gb * (1 << 30))
+        return max(16 << 20, (total - reserve) // self.sandboxes_per_pilot)
+
     def image_policy(self) -> dict[str, Any]:
         """The image policy of this backend's agents (see orchard.agent.image_policy)."""
         return {"registries": self.registries, "insecure_registries": self.insecure_registries,

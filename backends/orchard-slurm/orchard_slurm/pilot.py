@@ -56,9 +56,10 @@ def read_stop_record(pilot_dir: Path) -> Optional[dict]:
 
 
 def run_pilot(state_dir: str, runtime: str, host: Optional[str], max_sandboxes: int, image_policy: dict,
-              host_ids: tuple[int, int, int, int]) -> None:
+              host_ids: tuple[int, int, int, int], memory_share: Optional[int] = None) -> None:
     """Serve an agent for this pilot; ``host_ids`` (first uid, first gid, block, blocks to
-    search) says where it claims its block of sandbox host ids on this node."""
+    search) says where it claims its block of sandbox host ids on this node; each sandbox's
+    memory defaults to ``memory_share`` bytes, its share of the job's."""
     from orchard.agent.main import serve
     from orchard.agent.settings import AgentSettings
 
@@ -66,6 +67,7 @@ def run_pilot(state_dir: str, runtime: str, host: Optional[str], max_sandboxes: 
     settings = AgentSettings(state_dir=state_dir, runtime=runtime, max_sandboxes=max_sandboxes,
                              idle_exit_seconds=None,  # the pool decides when an idle pilot ends
                              cgroups_below_own=True,  # inside the job's cgroups: its limits bound the sandboxes
+                             **({"default_memory": str(memory_share)} if memory_share else {}),
                              host_uid=host_ids[0], host_gid=host_ids[1], host_id_count=host_ids[2],
                              host_id_search=host_ids[3],
                              **{key: image_policy[key] for key in ("registries", "insecure_registries", "image_dirs",

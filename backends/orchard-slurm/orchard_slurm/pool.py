@@ -125,7 +125,7 @@ class PilotPool:
 
     def _pilot_call(self, directory: Path) -> tuple:
         return (run_pilot, str(directory), self.config.runtime, self.config.agent_host, self.config.sandboxes_per_pilot,
-                self.config.image_policy(), self.config.host_id_settings())
+                self.config.image_policy(), self.config.host_id_settings(), self.config.sandbox_memory_share())
 
     async def submit_sandbox_job(self, spec: SandboxSpec) -> Pilot:
         """Per-job mode: the Slurm job of one sandbox (its image checked and its limits refused

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from orchard.errors import InvalidRequest
+
 from orchard_slurm.runtimes.charliecloud import CharliecloudRuntime
 from orchard_slurm.runtimes.podman import PodmanRuntime
 from slurm_testing import lost_soon, require, slurm_client, slurm_settings, squeue_jobs, wait_until_no_jobs
@@ -62,16 +64,19 @@ def test_sandboxes_die_with_their_pilot_job_however_it_ends(slurm_cluster, runti
 
 
 def test_a_pilot_jobs_memory_bounds_its_sandboxes(slurm_cluster):
-    """Sandbox cgroups used to sit at the top of each hierarchy (``/orchard/...``), outside the
-    job's: a sandbox could use more memory than Slurm gave its whole pilot. They are made below
-    the agent's own cgroup now, so the job's limit (ConstrainRAMSpace) bounds them."""
+    """Sandbox cgroups used to sit at the top of each hierarchy (``/orchard/...``) with 4 GiB
+    each by default: a sandbox used more memory than Slurm gave its whole pilot. They are made
+    below the agent's own cgroup now, each with its share of the job's memory, and a limit
+    above that share is refused (it would let one sandbox starve its neighbours and the agent)."""
     settings = slurm_settings(sandboxes_per_pilot=2, max_pilots=1, mem_per_pilot_gb=0.5)
     with slurm_client(settings) as client:
-        with client.create("host", memory="4Gi") as sandbox:  # its own limit is far above the job's
-            cgroup = sandbox.exec("cat /proc/self/cgroup").stdout
-            grab = sandbox.exec("python3 -c \"x = bytearray(900 * 2**20); print('allocated')\"", timeout=60)
-            assert "allocated" not in grab.stdout and grab.exit_code != 0, (grab, cgroup)
+        with pytest.raises(InvalidRequest, match="memory: at most 128 MiB per sandbox"):
+            client.create("host", memory="4Gi")
+        with client.create("host") as sandbox, client.create("host") as neighbour:
+            grab = sandbox.exec("python3 -c \"x = bytearray(300 * 2**20); print('allocated')\"", timeout=60)
+            assert "allocated" not in grab.stdout and grab.exit_code != 0, grab
             assert sandbox.exec("echo survived").stdout == "survived\n"  # the command lost, not the sandbox
+            assert neighbour.exec("python3 -c \"x = bytearray(100 * 2**20); print('fits')\"").stdout == "fits\n"
 
 
 def test_a_pilot_jobs_memory_bounds_its_podman_containers(slurm_cluster):
@@ -80,7 +85,7 @@ def test_a_pilot_jobs_memory_bounds_its_podman_containers(slurm_cluster):
     settings = slurm_settings(runtime="podman", sandboxes_per_pilot=2, max_pilots=1, mem_per_pilot_gb=0.5)
     image = str(busybox_rootfs(Path(settings["shared_dir"]) / "image"))
     with slurm_client(settings) as client:
-        with client.create(image, memory="4Gi") as sandbox:
-            grab = sandbox.exec("head -c 900m /dev/zero | tail > /dev/null && echo allocated", timeout=60)
+        with client.create(image) as sandbox:
+            grab = sandbox.exec("head -c 300m /dev/zero | tail > /dev/null && echo allocated", timeout=60)
             assert "allocated" not in grab.stdout and grab.exit_code != 0, grab
             assert sandbox.exec("echo survived").stdout == "survived\n"

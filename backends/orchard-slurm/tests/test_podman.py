@@ -17,7 +17,9 @@ from tests.images import busybox_rootfs
 @pytest.fixture(scope="module")
 def podman(slurm_cluster):
     require(PodmanRuntime)
-    settings = slurm_settings(runtime="podman", sandboxes_per_pilot=8, max_pilots=1, pilot_idle_seconds=30)
+    # 8.25 GB for 8 sandboxes: 256 MiB for the agent, 1 GiB each
+    settings = slurm_settings(runtime="podman", sandboxes_per_pilot=8, max_pilots=1, pilot_idle_seconds=30,
+                              mem_per_pilot_gb=8.25)
     image = busybox_rootfs(Path(settings["shared_dir"]) / "busybox-image")
     with slurm_client(settings) as client:
         yield client, str(image)
@@ -55,7 +57,7 @@ def test_podman_sandboxes_get_the_agents_default_limits_and_see_no_cgroup_tree(p
     with client.create(image) as sandbox, client.create(image, memory="512M") as sized:
         limits = sandbox.exec("cat /sys/fs/cgroup/memory/memory.limit_in_bytes /sys/fs/cgroup/memory.max "
                               "/sys/fs/cgroup/pids/pids.max /sys/fs/cgroup/pids.max 2>/dev/null").stdout.split()
-        assert str(4 << 30) in limits and "4096" in limits  # default_memory 4Gi, default_pids 4096
+        assert str(1 << 30) in limits and "4096" in limits  # its share of the pilot's memory; default_pids 4096
         sized_limit = sized.exec("cat /sys/fs/cgroup/memory/memory.limit_in_bytes /sys/fs/cgroup/memory.max "
                                  "2>/dev/null").stdout.split()
         assert any(abs(int(v) - 512_000_000) < 4096 for v in sized_limit if v.isdigit())  # 10^6 bytes, not MiB

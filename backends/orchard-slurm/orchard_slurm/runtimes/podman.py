@@ -213,6 +213,11 @@ class PodmanRuntime(IsolationRuntime):
                 sandbox.sandbox_id, spec.block_network, self.context.helper, idmap,
                 spec.memory or settings.default_memory, spec.pids or settings.default_pids, spec.cpu,
                 self._cgroup_parent()), image, *HOLD_ARGS, pass_fds={lifeline: LIFELINE_FD})
+        except BaseException:
+            write_end = self._lifelines.pop(sandbox.sandbox_id, None)
+            if write_end is not None:
+                os.close(write_end)
+            raise
         finally:
             os.close(lifeline)  # the container holds it now
         try:
