@@ -18,6 +18,9 @@ from orchard.agent.settings import default_state_dir
 PER_JOB_CONTAINERS = ("bwrap", "charliecloud", "apptainer")
 
 
+PODMAN_ID_SPAN = 65536  # ids a Podman container's user namespace maps
+
+
 class SlurmConfig(BackendConfig):
     shared_dir: Path = Field(default_factory=lambda: default_state_dir() / "slurm",
                              description="a directory the service and the compute nodes both see (pilot addresses, "
@@ -40,7 +43,8 @@ class SlurmConfig(BackendConfig):
                                       "id of its own, claimed on its node")
     host_gid: int = Field(DEFAULT_HOST_UID + 10_000_000, gt=0, lt=2**31)
     host_id_count: int = Field(65536, ge=2, description="how many ids from host_uid/host_gid; ranges holding an "
-                                                        "account are refused here and skipped on the nodes")
+                                                        "account are refused here and skipped on the nodes (a "
+                                                        "Podman pilot claims 65,536 of them on its node)")
     partition: Optional[str] = None
     account: Optional[str] = None
     qos: Optional[str] = None
@@ -75,8 +79,14 @@ class SlurmConfig(BackendConfig):
         so no two jobs on a node, of this service or another, share a sandbox uid."""
         if self.mode == "per-job":
             return self.host_uid + 1, self.host_gid + 1, 1, self.host_id_count - 1
-        block = self.sandboxes_per_pilot + 1
-        return self.host_uid, self.host_gid, block, self.host_id_count // block
+        return self.host_uid, self.host_gid, self.pilot_id_block, self.host_id_count // self.pilot_id_block
+
+    @property
+    def pilot_id_block(self) -> int:
+        """Host ids one pilot claims on its node: one per sandbox plus the first, or, for
+        Podman, the 65,536 its containers' user namespace maps (``--uidmap``), so no other
+        job's sandbox uid falls inside a Podman pilot's range."""
+        return PODMAN_ID_SPAN if self.runtime == "podman" else self.sandboxes_per_pilot + 1
 
     def sandbox_memory_share(self) -> int:
         """Bytes of the pilot job's memory each of its sandboxes may use: the job's memory,
@@ -103,9 +113,9 @@ class SlurmConfig(BackendConfig):
             if clashes:
                 raise ValueError(f"host_uid: the sandboxes' ids {self.host_uid}..{self.host_uid + self.host_id_count - 1}"
                                  f" include {', '.join(clashes[:5])}; choose a range no account uses")
-        if self.mode == "pilot" and self.host_id_count < self.sandboxes_per_pilot + 1:
-            raise ValueError(f"host_id_count ({self.host_id_count}) is less than a pilot's block: sandboxes_per_pilot "
-                             f"+ 1 ({self.sandboxes_per_pilot + 1}), one id per sandbox and one for its images")
+        if self.mode == "pilot" and self.host_id_count < self.pilot_id_block:
+            raise ValueError(f"host_id_count ({self.host_id_count}) is less than a pilot's block of "
+                             f"{self.pilot_id_block} ids ({'what a Podman container maps' if self.runtime == 'podman' else 'one per sandbox and one for its images'})")
         if self.min_pilots > self.max_pilots:
             raise ValueError(f"min_pilots ({self.min_pilots}) is more than max_pilots ({self.max_pilots})")
         if self.mode == "per-job":

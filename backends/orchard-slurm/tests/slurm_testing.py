@@ -38,7 +38,7 @@ def slurm_settings(**overrides: Any) -> dict[str, Any]:
     shared = Path(tempfile.mkdtemp(prefix="orchard-slurm-test-", dir="/tmp"))
     shared.chmod(0o755)
     settings = {"shared_dir": str(shared), "image_dirs": [str(shared)], "registries": ["127.0.0.1", "localhost"],
-                "agent_host": "127.0.0.1", "time_limit_minutes": 10,
+                "agent_host": "127.0.0.1", "time_limit_minutes": 10, "host_id_count": 4 * 65536,
                 "min_remaining_minutes": 0, "job_name": f"orchard-test-{os.getpid()}-{time.monotonic_ns() % 10**6}"}
     return {**settings, **overrides}
 

@@ -30,3 +30,13 @@ def test_directory_images_come_from_configured_directories_only(tmp_path):
     policy = config.image_policy()
     assert policy["image_dirs"] == ["/tmp/orchard-shared/images", "/srv/images"]
     assert policy["protected_dirs"] == ["/tmp/orchard-shared/pilots"]
+
+
+def test_a_podman_pilot_claims_every_id_its_containers_map():
+    """Podman maps 65,536 ids from the pilot's first; a block of sandboxes_per_pilot + 1 let
+    another job's sandbox uid fall inside that range on the same node."""
+    from orchard_slurm.config import PODMAN_ID_SPAN, SlurmConfig
+
+    podman = SlurmConfig(shared_dir=Path("/tmp/orchard-shared"), runtime="podman", host_id_count=4 * PODMAN_ID_SPAN)
+    assert podman.host_id_settings()[2:] == (PODMAN_ID_SPAN, 4)
+    assert SlurmConfig(shared_dir=Path("/tmp/orchard-shared"), sandboxes_per_pilot=8).host_id_settings()[2] == 9

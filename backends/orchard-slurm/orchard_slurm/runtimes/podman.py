@@ -31,6 +31,7 @@ from orchard.agent.runtimes.mounts import MASKED_PROC_DIRS, MASKED_PROC_FILES, r
 from orchard.agent.sandbox import Placement, SandboxState
 from orchard.errors import ImageRejected, InvalidRequest, RuntimeUnavailable
 from orchard.quantities import parse_cpu, parse_memory
+from orchard_slurm.config import PODMAN_ID_SPAN
 from orchard_slurm.runtimes.processes import process_exit
 
 HOLD_PATH = "/.orchard-hold"
@@ -66,7 +67,7 @@ def run_options(sandbox_id: str, block_network: bool, helper: Path, idmap: Optio
     if cgroup_parent:
         options += ["--cgroup-parent", cgroup_parent]
     if idmap:
-        options += ["--uidmap", f"0:{idmap[0]}:65536", "--gidmap", f"0:{idmap[1]}:65536"]
+        options += ["--uidmap", f"0:{idmap[0]}:{PODMAN_ID_SPAN}", "--gidmap", f"0:{idmap[1]}:{PODMAN_ID_SPAN}"]
     if memory:
         options += ["--memory", str(parse_memory(memory))]  # bytes: "512M" is 10^6 bytes, Podman's "512m" MiB
     if pids:
