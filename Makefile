@@ -34,7 +34,7 @@ $(VENV)/.installed: pyproject.toml plugins/orchard-remote-agent/pyproject.toml b
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==$(TORCH_VERSION)  # the CPU build on disk; an unpinned torch pulls a CUDA one
-	$(PIP) install -q -e '.[test,train]' -e plugins/orchard-remote-agent -e backends/orchard-slurm -e backends/orchard-k8s
+	$(PIP) install -q -e '.[test,train]' -e plugins/orchard-remote-agent -e backends/orchard-slurm -e 'backends/orchard-k8s[test]'
 	touch $@
 
 bench: system-deps venv  ## the figures of docs/benchmarks.md
