@@ -16,6 +16,7 @@ from orchard.agent.settings import default_state_dir
 from orchard.backends.api import Backend
 from orchard.backends.loading import load_backend
 from orchard.errors import InvalidRequest
+from orchard.server.store import SQLiteStore, Store
 
 
 class BackendSection(BaseModel):
@@ -39,6 +40,9 @@ class ServerConfig(BaseModel):
     port: int = Field(8000, ge=0, le=65535)
     api_key: Optional[SecretStr] = Field(None, description="X-API-Key callers must send (ORCHARD_API_KEY)")
     state: Path = Field(default_factory=lambda: default_state_dir() / "server.db", description="SQLite file")
+    store: Optional[str] = Field(None, pattern=r"^postgres(ql)?://",
+                                 description="postgresql://... : a PostgreSQL store shared by several replicas "
+                                             "(pip install psycopg); unset: the SQLite file at state")
     backend: BackendSection = Field(default_factory=BackendSection)
     reconciler: ReconcilerSettings = Field(default_factory=ReconcilerSettings)
     max_concurrent_exec: int = Field(1024, gt=0, description="commands in flight through this server")
@@ -47,6 +51,13 @@ class ServerConfig(BaseModel):
     max_upload_bytes: Optional[int] = Field(None, ge=1, description="largest raw upload, streamed to the agent "
                                                                     "(default: the sandbox's disk quota decides)")
     log_level: str = "info"
+
+    def make_store(self) -> Store:
+        if self.store:
+            from orchard.server.postgres import PostgresStore  # psycopg only where it is used
+
+            return PostgresStore(self.store)
+        return SQLiteStore(self.state)
 
     def make_backend(self) -> Backend:
         return load_backend(self.backend.name, self.backend.settings)

@@ -11,7 +11,6 @@ from orchard.server.config import ServerConfig
 from orchard.server.observability import Metrics, configure_logging
 from orchard.server.reconciler import Reconciler
 from orchard.server.service import ServerService
-from orchard.server.store import SQLiteStore
 
 log = logging.getLogger("orchard.server")
 
@@ -19,7 +18,7 @@ log = logging.getLogger("orchard.server")
 def build_app(config: ServerConfig):
     """The app for ``config`` (tests and embedding use this without uvicorn)."""
     backend = config.make_backend()
-    service = ServerService(config, backend, SQLiteStore(config.state), Metrics())
+    service = ServerService(config, backend, config.make_store(), Metrics())
     api_key = config.api_key.get_secret_value() if config.api_key else None
     return create_app(service, Reconciler(service, config.reconciler), api_key)
 

@@ -52,6 +52,8 @@ class Reconciler:
     async def run_round(self) -> None:
         service, settings = self.service, self.settings
         service.flush_heartbeats()
+        if not service.store.lead("reconciler"):  # another replica reaps; two would delete twice
+            return
         now = time.time()
         for record in service.store.list_sandboxes():
             sandbox = record.sandbox

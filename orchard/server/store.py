@@ -1,7 +1,7 @@
 """Where the server keeps sandbox and job records, so a restart finds them again.
 
-``Store`` is the small interface a shared store (PostgreSQL, Redis) would implement for
-several replicas; ``SQLiteStore`` is the default, a file and no server to run.
+``Store`` is the small interface a shared store implements for several replicas
+(``postgres.py``); ``SQLiteStore`` is the default, a file and no server to run.
 """
 
 from __future__ import annotations
@@ -62,6 +62,11 @@ class Store(ABC):
 
     @abstractmethod
     def purge_jobs(self, finished_before: float) -> int: ...
+
+    def lead(self, role: str) -> bool:
+        """Whether this server does ``role``'s work now (the reconciler's reaping): with
+        several replicas on one shared store, one of them at a time. Alone: always."""
+        return True
 
     @abstractmethod
     def close(self) -> None: ...
