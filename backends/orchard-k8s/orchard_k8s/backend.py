@@ -40,6 +40,7 @@ class KubernetesBackend(AgentBackedBackend):
         self._slots = asyncio.Semaphore(config.create_concurrency)
         self._agents: dict[str, ApiClient] = {}  # pod name -> client of its agent
         self._tokens: dict[str, str] = {}  # pod name -> its agent's key
+        self._deleted: set[str] = set()  # pods we deleted that the watch still shows
 
     @classmethod
     def unavailable_reason(cls) -> Optional[str]:
@@ -105,11 +106,14 @@ class KubernetesBackend(AgentBackedBackend):
         raise AssertionError("unreachable")
 
     # -- sites ---------------------------------------------------------------------------
-    async def _token(self, name: str, sandbox_id: str) -> str:
-        """The agent's key: known since we made it, or read from its Secret (after a restart)."""
+    async def _token(self, name: str, sandbox_id: str) -> Optional[str]:
+        """The agent's key: known since we made it, or read from its Secret (after a restart);
+        None if the Secret is gone (its pod is being deleted)."""
         if name not in self._tokens:
             secret = await self._call(self._core.read_namespaced_secret, manifests.secret_name(sandbox_id),
-                                      self.config.namespace)
+                                      self.config.namespace, missing_ok=True)
+            if secret is None:
+                return None
             self._tokens[name] = base64.b64decode(secret.data["token"]).decode()
         return self._tokens[name]
 
@@ -123,6 +127,8 @@ class KubernetesBackend(AgentBackedBackend):
             return AgentSite(name, None, None, placed={sandbox_id})
         url = f"http://{ip}:{self.config.agent_port}"
         token = await self._token(name, sandbox_id)
+        if token is None:
+            return AgentSite(name, None, None, placed={sandbox_id}, lost="its pod's key Secret is gone")
         api = self._agents.get(name)
         if api is None or api.url != url:
             api = self._agents[name] = ApiClient(url, token, retries=2)
@@ -139,6 +145,8 @@ class KubernetesBackend(AgentBackedBackend):
         await self._start()
         sandbox_id = str(spec.sandbox_id)
         name = manifests.pod_name(sandbox_id)
+        if name in self._deleted:  # the same id again, before the watch saw the old pod go
+            await self._watch.wait_for(name, lambda pod: pod is None, self.start_timeout(spec))
         token = secrets.token_urlsafe(32)
         async with self._slots:
             made = await self._call(self._core.create_namespaced_pod, self.config.namespace,
@@ -178,7 +186,10 @@ class KubernetesBackend(AgentBackedBackend):
 
     async def locate(self, sandbox_id: str) -> AgentSite:
         await self._start()
-        pod = self._watch.pods.get(manifests.pod_name(sandbox_id))
+        name = manifests.pod_name(sandbox_id)
+        pod = self._watch.pods.get(name)
+        if name in self._deleted and pod is not None:  # deleted by us; the watch has yet to say so
+            raise SandboxNotFound(f"sandbox {sandbox_id!r} not found")
         if pod is None or (pod.get("metadata") or {}).get("annotations", {}).get(manifests.SANDBOX_ANNOTATION) \
                 != sandbox_id:
             raise SandboxNotFound(f"sandbox {sandbox_id!r} not found")
@@ -189,7 +200,8 @@ class KubernetesBackend(AgentBackedBackend):
         found = []
         for pod in list(self._watch.pods.values()):
             sandbox_id = ((pod.get("metadata") or {}).get("annotations") or {}).get(manifests.SANDBOX_ANNOTATION)
-            if sandbox_id and (pods.is_ready(pod) or pods.lost_reason(pod) is not None):
+            if sandbox_id and (pod["metadata"]["name"] not in self._deleted) and \
+                    (pods.is_ready(pod) or pods.lost_reason(pod) is not None):
                 found.append(await self._site(sandbox_id, pod))
         return found
 
@@ -206,6 +218,9 @@ class KubernetesBackend(AgentBackedBackend):
 
         await self._call(self._core.delete_namespaced_pod, name, self.config.namespace, missing_ok=True,
                          body=V1DeleteOptions(grace_period_seconds=0, propagation_policy="Background"))
+        if name in self._watch.pods:
+            self._deleted.add(name)  # until the watch reports it gone
+            self._watch.on_gone(name, self._deleted.discard)
         self._tokens.pop(name, None)
         api = self._agents.pop(name, None)
         if api is not None:

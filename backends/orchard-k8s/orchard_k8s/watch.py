@@ -30,6 +30,7 @@ class PodWatch:
         self.synced = asyncio.Event()
         self.lists = 0  # full listings made (1, plus one per 410 Gone)
         self._changed: dict[str, asyncio.Event] = {}
+        self._gone: dict[str, list[Callable[[str], None]]] = {}
         self._stopping = threading.Event()
         self._watch: Optional[watch.Watch] = None
         self._thread = threading.Thread(target=self._run, name="orchard-k8s-watch", daemon=True)
@@ -43,10 +44,22 @@ class PodWatch:
             self._watch.stop()
 
     # -- on the event loop ---------------------------------------------------------
+    def on_gone(self, name: str, callback: Callable[[str], None]) -> None:
+        """Call ``callback(name)`` once the watch reports pod ``name`` gone."""
+        if name not in self.pods:
+            callback(name)
+        else:
+            self._gone.setdefault(name, []).append(callback)
+
+    def _forgotten(self, name: str) -> None:
+        for callback in self._gone.pop(name, []):
+            callback(name)
+
     def _apply(self, kind: str, pod: dict[str, Any]) -> None:
         name = pod.get("metadata", {}).get("name", "")
         if kind == "DELETED":
             self.pods.pop(name, None)
+            self._forgotten(name)
         else:
             self.pods[name] = pod
         event = self._changed.get(name)
@@ -56,6 +69,8 @@ class PodWatch:
     def _replace(self, pods: list[dict[str, Any]]) -> None:
         gone = set(self.pods) - {p["metadata"]["name"] for p in pods}
         self.pods = {p["metadata"]["name"]: p for p in pods}
+        for name in gone:
+            self._forgotten(name)
         for name in gone | set(self.pods):
             event = self._changed.get(name)
             if event is not None:

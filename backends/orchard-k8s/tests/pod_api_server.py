@@ -129,6 +129,7 @@ class PodApiTestServer:
         self.faults: list[int] = []  # answer the next API calls with these statuses
         self.pull_errors: dict[str, str] = {}
         self.unschedulable: Optional[str] = None
+        self.watch_delay = 0.0  # seconds between a change and its watch event
         self._watchers: list[tuple[str, str, Optional[str], asyncio.Queue]] = []
         self._pods: dict[str, dict[str, Any]] = {}  # pod name -> kubelet state (process, relay, ip)
         self._next_ip = 1
@@ -202,7 +203,10 @@ class PodApiTestServer:
         for watched, namespace, selector, queue in self._watchers:
             if watched == resource and obj["metadata"].get("namespace") == namespace \
                     and matches(obj["metadata"].get("labels") or {}, selector):
-                queue.put_nowait(event)
+                if self.watch_delay:  # a slow watch: events arrive after the API calls answer
+                    asyncio.get_running_loop().call_later(self.watch_delay, queue.put_nowait, event)
+                else:
+                    queue.put_nowait(event)
 
     def _store(self, resource: str, obj: dict[str, Any], kind: str = "MODIFIED") -> None:
         key = (resource, obj["metadata"]["namespace"], obj["metadata"]["name"])

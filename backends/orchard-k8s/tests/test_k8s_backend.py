@@ -124,3 +124,19 @@ def test_a_restarted_server_adopts_its_pods(k8s_settings):
 def test_limits_a_pod_cannot_have_are_refused_by_name(k8s):
     with pytest.raises(InvalidRequest, match="pids"):
         k8s.create(KIT_IMAGE, pids=64)
+
+
+def test_a_deleted_sandbox_is_gone_at_once_even_before_the_watch_says_so(k8s, pod_api):
+    """The watch trails the API: a get right after a delete found the pod still cached, tried
+    its (already collected) key Secret and answered 503 instead of not found."""
+    from orchard.errors import SandboxNotFound
+
+    sandbox = k8s.create(KIT_IMAGE)
+    pod_api.watch_delay = 1.0
+    try:
+        sandbox.delete()
+        with pytest.raises(SandboxNotFound):
+            k8s.get(sandbox.id)
+        assert sandbox.id not in {s.sandbox_id for s in k8s.list()}
+    finally:
+        pod_api.watch_delay = 0.0
