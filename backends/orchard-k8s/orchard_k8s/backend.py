@@ -45,7 +45,7 @@ class KubernetesBackend(AgentBackedBackend):
     @classmethod
     def unavailable_reason(cls) -> Optional[str]:
         try:
-            import kubernetes  # noqa: F401
+            import kubernetes  # noqa: F401  (only whether it imports)
         except ImportError:
             return "the kubernetes client is not installed (pip install kubernetes)"
         return None

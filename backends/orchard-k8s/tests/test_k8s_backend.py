@@ -92,9 +92,9 @@ def test_api_throttling_and_server_errors_are_retried(k8s, pod_api):
 
 
 def test_the_watch_lists_again_after_410_gone(k8s_settings, pod_api):
-    from orchard.client.aio import AsyncClient  # noqa: F401  (the backend object is reached below)
-    from orchard.backends.loading import load_backend
     import asyncio
+
+    from orchard.backends.loading import load_backend
 
     async def scenario() -> None:
         backend = load_backend("k8s", k8s_settings)

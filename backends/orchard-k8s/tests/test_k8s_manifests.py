@@ -6,12 +6,10 @@ against a golden list: least privilege, nothing cluster-wide."""
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 import yaml
 
 from orchard.server.config import ServerConfig

@@ -23,8 +23,9 @@ from tests.images import busybox_rootfs
 
 
 def marked_sleepers(mark: str) -> list[str]:
-    out = subprocess.run(["pgrep", "-af", f"sleep {mark}"], capture_output=True, text=True).stdout
-    return [line for line in out.splitlines() if "pgrep" not in line]
+    """Processes that are exactly ``sleep MARK`` (never a longer number that contains it)."""
+    out = subprocess.run(["pgrep", "-ax", "-f", f"sleep {mark}"], capture_output=True, text=True).stdout
+    return out.splitlines()
 
 
 def test_the_dev_cluster_tracks_jobs_by_cgroup(slurm_cluster):

@@ -132,7 +132,6 @@ class BwrapRuntime(IsolationRuntime):
 
     def _rootfs_args(self, sandbox: SandboxState, image: ResolvedImage, disk: Optional[int],
                      owner: Optional[tuple[int, int]], placement: Placement) -> list[str]:
-        settings = self.context.settings
         root = writable_root(sandbox, image, disk, owner, placement, self.context.images.owner)
         placement.env = {"HOME": "/root", **image.env}
         placement.default_cwd = image_workdir(image, root)

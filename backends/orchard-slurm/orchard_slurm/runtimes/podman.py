@@ -141,9 +141,11 @@ class PodmanRuntime(IsolationRuntime):
                 "CONTAINERS_CONF": str(conf), "CONTAINERS_STORAGE_CONF": str(storage),
                 **{k: v for k, v in os.environ.items() if k == "XDG_RUNTIME_DIR"}}
 
+    @functools.cached_property
     def _cgroup_parent(self) -> Optional[str]:
         """Below the agent's own memory cgroup when asked (``cgroups_below_own``: a pilot, whose
-        job's memory limit must bound its containers too), else Podman's ``libpod_parent``."""
+        job's memory limit must bound its containers too), else Podman's ``libpod_parent``.
+        Read once: the agent never moves."""
         if not self.context.settings.cgroups_below_own:
             return None
         own = own_v1_paths(Path("/proc/self/cgroup").read_text()).get("memory", "/")
@@ -213,7 +215,7 @@ class PodmanRuntime(IsolationRuntime):
             await self._podman("run", "--pidfile", str(pidfile), *run_options(
                 sandbox.sandbox_id, spec.block_network, self.context.helper, idmap,
                 spec.memory or settings.default_memory, spec.pids or settings.default_pids, spec.cpu,
-                self._cgroup_parent()), image, *HOLD_ARGS, pass_fds={lifeline: LIFELINE_FD})
+                self._cgroup_parent), image, *HOLD_ARGS, pass_fds={lifeline: LIFELINE_FD})
         except BaseException:
             write_end = self._lifelines.pop(sandbox.sandbox_id, None)
             if write_end is not None:
