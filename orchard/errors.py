@@ -136,6 +136,20 @@ class ExecTimeout(OrchardError):
     error_type = "timeout"
 
 
+class SnapshotNotFound(OrchardError):
+    """No snapshot with this id (never taken, deleted, or lost with its agent)."""
+
+    status_code = 404
+    error_type = "rejected"
+
+
+class Unsupported(OrchardError):
+    """The backend or the sandbox lacks an optional capability (snapshots, say) this call needs."""
+
+    status_code = 422
+    error_type = "rejected"
+
+
 class InternalError(OrchardError):
     """A bug: please report it with the agent's log."""
 
@@ -149,7 +163,7 @@ ERRORS_BY_NAME: dict[str, type[OrchardError]] = {
         OrchardError, InvalidRequest, AuthenticationFailed, SandboxNotFound, JobNotFound,
         SandboxConflict, SandboxLost, SandboxNotReady, ImageRejected, QuotaExceeded,
         RuntimeUnavailable, BackendUnavailable, AgentUnreachable, FileOperationFailed,
-        PayloadTooLarge, WaitTimeout, ExecTimeout, InternalError,
+        PayloadTooLarge, WaitTimeout, ExecTimeout, InternalError, SnapshotNotFound, Unsupported,
     ]
 }
 

@@ -108,6 +108,9 @@ class SandboxSpec(Request):
     timeout: Optional[float] = Field(None, gt=0, le=3600, description="seconds to wait for readiness")
     env: dict[str, str] = Field(default_factory=dict, json_schema_extra=ENV_SCHEMA)
     labels: dict[str, str] = Field(default_factory=dict)
+    snapshot: Optional[str] = Field(None, pattern=SANDBOX_ID_PATTERN,
+                                    description="start from this snapshot (a fork) instead of the bare image; "
+                                                "image must then be the snapshot's")
 
     @field_validator("env", "labels", mode="before")
     @classmethod
@@ -294,6 +297,27 @@ class FileList(BaseModel):
     total: Optional[int] = Field(None, description="entries in the directory (pages: offset, limit)")
     offset: int = 0
     next_offset: Optional[int] = Field(None, description="offset of the next page; null on the last")
+
+
+class SnapshotRequest(Request):
+    """Body of ``POST /sandboxes/{id}/snapshot``."""
+
+    snapshot_id: Optional[str] = Field(None, pattern=SANDBOX_ID_PATTERN, description="chosen by the caller "
+                                       "(idempotent: the same id for the same sandbox returns the same snapshot)")
+
+
+class Snapshot(BaseModel):
+    """A frozen filesystem state of a sandbox that new sandboxes fork from (copy-on-write)."""
+
+    snapshot_id: str
+    sandbox_id: str = Field(description="the sandbox it was taken of")
+    image: str
+    parent: Optional[str] = Field(None, description="the snapshot that sandbox was itself forked from")
+    created_at: float = Field(default_factory=time.time)
+    size_bytes: int = Field(0, description="bytes written since the image (or the parent snapshot)")
+    forks: int = Field(0, description="sandboxes and snapshots that still use it")
+    deleting: bool = Field(False, description="deleted, kept until its last fork is gone")
+    backend: Optional[str] = None
 
 
 class PatchRequest(Request):

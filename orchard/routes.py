@@ -14,7 +14,7 @@ from fastapi import FastAPI, Header, Query, Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel
 
-from orchard.models import ExecRequest, FileUpload, PatchRequest, SandboxSpec
+from orchard.models import ExecRequest, FileUpload, PatchRequest, SandboxSpec, SnapshotRequest
 from orchard.webapi import MAX_WAIT_SECONDS, model_response, parse_body
 
 
@@ -39,6 +39,11 @@ class SandboxOperations(Protocol):
     def upload_raw(self, sandbox_id: str, path: str, chunks: AsyncIterator[bytes], mode: Optional[int]) -> Any: ...
     def download_raw(self, sandbox_id: str, path: str) -> Any:
         """(size or None, an async iterator of the file's bytes)."""
+    def snapshot(self, sandbox_id: str, request: SnapshotRequest) -> Any: ...
+    def reset(self, sandbox_id: str) -> Any: ...
+    def get_snapshot(self, snapshot_id: str) -> Any: ...
+    def list_snapshots(self) -> Any: ...
+    def delete_snapshot(self, snapshot_id: str) -> Any: ...
 
 
 def _json_body(model: type[BaseModel]) -> dict:
@@ -143,6 +148,32 @@ def add_sandbox_routes(app: FastAPI, ops: SandboxOperations) -> None:
         size, chunks = await _value(ops.download_raw(sandbox_id, path))
         headers = {"Content-Length": str(size)} if size is not None else None
         return StreamingResponse(chunks, media_type="application/octet-stream", headers=headers)
+
+    @app.post("/sandboxes/{sandbox_id}/snapshot")
+    async def snapshot_sandbox(sandbox_id: str, body: Optional[SnapshotRequest] = None) -> Response:
+        """Our addition: freeze the sandbox's files as a snapshot that ``POST /sandboxes``
+        with ``snapshot`` forks from (copy-on-write). Its processes are stopped; it goes on
+        from the snapshot."""
+        return model_response(await _value(ops.snapshot(sandbox_id, body or SnapshotRequest())))
+
+    @app.post("/sandboxes/{sandbox_id}/reset")
+    async def reset_sandbox(sandbox_id: str) -> Response:
+        """Our addition: back to where the sandbox began (its image or snapshot), same id."""
+        return model_response(await _value(ops.reset(sandbox_id)))
+
+    @app.get("/snapshots")
+    async def list_snapshots() -> Response:
+        return model_response({"snapshots": [s.model_dump() for s in await _value(ops.list_snapshots())]})
+
+    @app.get("/snapshots/{snapshot_id}")
+    async def get_snapshot(snapshot_id: str) -> Response:
+        return model_response(await _value(ops.get_snapshot(snapshot_id)))
+
+    @app.delete("/snapshots/{snapshot_id}")
+    async def delete_snapshot(snapshot_id: str) -> dict:
+        """Its files stay until the last fork using them is deleted."""
+        await _value(ops.delete_snapshot(snapshot_id))
+        return {"snapshot_id": snapshot_id, "deleted": True}
 
     @app.get("/jobs/{job_id}")
     async def get_job(job_id: str) -> Response:

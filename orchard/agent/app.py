@@ -42,9 +42,12 @@ def create_app(service: AgentService, token: Optional[str]) -> FastAPI:
     app = FastAPI(title="Orchard exec agent", version=__version__, lifespan=lifespan)
 
     def sandbox_scoped(path: str, given: str) -> bool:
-        """A per-sandbox token opens that sandbox's routes and the jobs run in it."""
+        """A per-sandbox token opens that sandbox's routes and the jobs run in it; not
+        snapshots, which outlive the sandbox (their owner, the server, takes them)."""
         assert token is not None
         parts = path.split("/")
+        if len(parts) >= 4 and parts[1] == "sandboxes" and parts[3] == "snapshot":
+            return False
         if len(parts) >= 3 and parts[1] == "sandboxes" and parts[2]:
             sandbox_id = parts[2]
         elif len(parts) >= 3 and parts[1] == "jobs":

@@ -182,6 +182,12 @@ def _syscall(number: int, *args: object) -> int:
 def idmapped_view(source: Path, target: Path, owner: tuple[int, int], shown_as: tuple[int, int]) -> None:
     """Mount ``source`` at ``target`` (read-only use: an overlay's lower layer) so that files
     owned by ``owner`` there appear owned by ``shown_as``."""
+    idmapped_views([(source, target)], owner, shown_as)
+
+
+def idmapped_views(pairs: list[tuple[Path, Path]], owner: tuple[int, int], shown_as: tuple[int, int]) -> None:
+    """``idmapped_view`` for several (source, target) pairs with one user namespace (a fork's
+    snapshot layers and its image share the owner, so one namespace serves them all)."""
     holder = subprocess.Popen(["unshare", "--user", "sleep", "infinity"], stdin=subprocess.DEVNULL)
     try:
         namespace = f"/proc/{holder.pid}/ns/user"
@@ -197,13 +203,15 @@ def idmapped_view(source: Path, target: Path, owner: tuple[int, int], shown_as: 
         if holder.poll() is None:
             holder.kill()
     try:
-        tree = _syscall(_OPEN_TREE, _AT_FDCWD, os.fsencode(source), _OPEN_TREE_CLONE | os.O_CLOEXEC | _AT_RECURSIVE)
-        try:
-            attr = _MountAttr(_MOUNT_ATTR_IDMAP | _MOUNT_ATTR_RDONLY, 0, 0, userns)  # a lower layer: never written
-            _syscall(_MOUNT_SETATTR, tree, b"", _AT_EMPTY_PATH | _AT_RECURSIVE, ctypes.byref(attr), ctypes.sizeof(attr))
-            _syscall(_MOVE_MOUNT, tree, b"", _AT_FDCWD, os.fsencode(target), _MOVE_MOUNT_F_EMPTY_PATH)
-        finally:
-            os.close(tree)
+        for source, target in pairs:
+            tree = _syscall(_OPEN_TREE, _AT_FDCWD, os.fsencode(source), _OPEN_TREE_CLONE | os.O_CLOEXEC | _AT_RECURSIVE)
+            try:
+                attr = _MountAttr(_MOUNT_ATTR_IDMAP | _MOUNT_ATTR_RDONLY, 0, 0, userns)  # a lower layer: never written
+                _syscall(_MOUNT_SETATTR, tree, b"", _AT_EMPTY_PATH | _AT_RECURSIVE, ctypes.byref(attr),
+                         ctypes.sizeof(attr))
+                _syscall(_MOVE_MOUNT, tree, b"", _AT_FDCWD, os.fsencode(target), _MOVE_MOUNT_F_EMPTY_PATH)
+            finally:
+                os.close(tree)
     finally:
         os.close(userns)
     holder.wait()

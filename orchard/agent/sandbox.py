@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Optional
 
 from orchard.agent.cgroups import SandboxCgroup
+from orchard.agent.snapshots import SnapshotState
 from orchard.models import Sandbox, SandboxSpec, SandboxStatus
 
 
@@ -29,6 +30,7 @@ class Placement:
     env: dict[str, str] = field(default_factory=dict)
     default_cwd: str = "/"
     mounts: list[Path] = field(default_factory=list)  # host mounts to undo, innermost first
+    layer: Optional[Path] = None  # the overlay's writable layer (what a snapshot freezes), if it has one
 
 
 @dataclass
@@ -42,13 +44,16 @@ class SandboxState:
     placement: Optional[Placement] = None
     cgroup: Optional[SandboxCgroup] = None
     created_at: float = field(default_factory=time.time)
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one command at a time
+    lifecycle: asyncio.Lock = field(default_factory=asyncio.Lock)  # a snapshot or reset and a delete, one at a time
     ready_event: asyncio.Event = field(default_factory=asyncio.Event)
     deleting: bool = False
     holder_exit: Optional["asyncio.Future[int]"] = None
     file_slots: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(FILE_CALLS_PER_SANDBOX))
     host_ids: Optional[tuple[int, int]] = None  # its own host uid/gid (root agents), from HostIdPool
     incarnation: str = field(default_factory=lambda: secrets.token_hex(8))  # per-sandbox tokens are bound to it
+    base: Optional["SnapshotState"] = None  # the snapshot it was forked from (its overlay's lower layers)
+    restarting: bool = False  # a snapshot or reset is replacing its holder: the old one's exit is no loss
 
     def to_model(self) -> Sandbox:
         spec = self.spec

@@ -30,14 +30,15 @@ from orchard.agent.runtimes.bwrap import build_host_etc
 from orchard.agent.runtimes.helper import helper_path
 from orchard.agent.runtimes.mounts import remove_tree
 from orchard.agent.sandbox import SandboxState
+from orchard.agent.snapshots import SnapshotState, SnapshotStore, hand_over
 from orchard.agent.settings import AgentSettings
 from orchard.errors import (
     ImageRejected, InvalidRequest, JobNotFound, OrchardError, QuotaExceeded, RuntimeUnavailable, SandboxConflict,
-    SandboxLost, SandboxNotFound, SandboxNotReady,
+    SandboxLost, SandboxNotFound, SandboxNotReady, Unsupported,
 )
 from orchard.models import (
     JOB_ID_RULE, ExecRequest, FileContent, FileList, FileUpload, FileUploaded, Job, PatchRequest, PatchResult, QueuedJob,
-    Sandbox, SandboxSpec, valid_job_id,
+    Sandbox, SandboxSpec, Snapshot, SnapshotRequest, valid_job_id,
 )
 from orchard.plugins import collect, emit_event, verify_image
 
@@ -74,6 +75,7 @@ class AgentService:
         self.file_slots = asyncio.Semaphore(settings.max_file_calls)
         self._tasks: set[asyncio.Task] = set()
         self.runtime: Optional[IsolationRuntime] = None
+        self.snapshots = SnapshotStore(settings.state_dir / "snapshots")
 
     # -- life cycle ----------------------------------------------------------------
     async def start(self) -> None:
@@ -126,6 +128,7 @@ class AgentService:
         holders run with --die-with-parent); remove what they left on the host."""
         for entry in self.settings.sandboxes_dir.iterdir():
             remove_tree(entry)
+        self.snapshots.clean_leftovers()
         self._remove_leftover_cgroups()
 
     def _remove_leftover_cgroups(self, patience: float = 2.0) -> None:
@@ -143,6 +146,7 @@ class AgentService:
 
     async def stop(self) -> None:
         await asyncio.gather(*(self.delete(sid) for sid in list(self.sandboxes)), return_exceptions=True)
+        self.snapshots.delete_all()
         for task in self._tasks:
             task.cancel()
         self._remove_leftover_cgroups()
@@ -194,6 +198,9 @@ class AgentService:
             raise SandboxNotReady(f"sandbox {sandbox_id!r} failed to start: {sandbox.status_message}")
         if sandbox.status != "ready":
             raise SandboxNotReady(f"sandbox {sandbox_id!r} is {sandbox.status}; wait for it to be ready")
+        if sandbox.restarting:
+            raise SandboxNotReady(f"sandbox {sandbox_id!r} is restarting (a snapshot or reset); call again when "
+                                  "that returns")
         return sandbox
 
     async def create(self, spec: SandboxSpec) -> Sandbox:
@@ -204,6 +211,7 @@ class AgentService:
                 raise SandboxConflict(f"sandbox {sandbox_id!r} already exists with a different spec")
             await self._wait_ready(existing, spec.timeout or self.settings.ready_timeout)
             return existing.to_model()
+        base = self._fork_base(spec)
         reason = verify_image(spec.image, self.settings.image_policy())  # every runtime's images, once, here
         if reason:
             raise ImageRejected(f"image {spec.image!r} refused by policy: {reason}")
@@ -211,8 +219,10 @@ class AgentService:
             raise QuotaExceeded(f"this agent already hosts {len(self.sandboxes)} sandboxes (max_sandboxes)")
         assert self.runtime is not None
         sandbox = SandboxState(spec=spec.model_copy(update={"sandbox_id": sandbox_id}), sandbox_id=sandbox_id,
-                               runtime=self.runtime.name, state_dir=self.settings.sandboxes_dir / sandbox_id)
+                               runtime=self.runtime.name, state_dir=self.settings.sandboxes_dir / sandbox_id, base=base)
         self.sandboxes[sandbox_id] = sandbox
+        if base is not None:
+            self.snapshots.use(base, sandbox_id)
         try:
             if os.geteuid() == 0:
                 sandbox.host_ids = self.host_ids.take()
@@ -238,8 +248,18 @@ class AgentService:
         emit_event({"type": "ready", "sandbox_id": sandbox_id, "time": time.time()})
         return sandbox.to_model()
 
+    def _fork_base(self, spec: SandboxSpec) -> Optional[SnapshotState]:
+        """The snapshot a fork starts from (None for a plain create)."""
+        if spec.snapshot is None:
+            return None
+        base = self.snapshots.get(spec.snapshot)
+        if spec.image != base.image:
+            raise InvalidRequest(f"image: a fork of snapshot {base.snapshot_id!r} runs its image {base.image!r}, "
+                                 f"not {spec.image!r}")
+        return base
+
     def _holder_exited(self, sandbox: SandboxState, future: "asyncio.Future[int]") -> None:
-        if sandbox.deleting or sandbox.status != "ready":
+        if sandbox.deleting or sandbox.restarting or sandbox.status != "ready":
             return
         code = future.result() if not future.cancelled() else -1
         reason = f"sandbox holder exited (code {code})"
@@ -259,6 +279,9 @@ class AgentService:
         if sandbox.host_ids is not None:  # free for another sandbox only once nothing of this one runs
             self.host_ids.release(sandbox.host_ids)
             sandbox.host_ids = None
+        if sandbox.base is not None:
+            self.snapshots.drop(sandbox.base, sandbox.sandbox_id)
+            sandbox.base = None
 
     async def _wait_ready(self, sandbox: SandboxState, timeout: float) -> None:
         try:
@@ -286,7 +309,8 @@ class AgentService:
         sandbox.deleting = True
         if sandbox.status == "pending":
             await sandbox.ready_event.wait()  # let creation finish, then tear down what it built
-        await self._release(sandbox)
+        async with sandbox.lifecycle:  # a snapshot or reset under way finishes first
+            await self._release(sandbox)
         sandbox.status = "deleted"
         self.sandboxes.pop(sandbox_id, None)
         self.jobs.drop_sandbox(sandbox_id)
@@ -294,6 +318,111 @@ class AgentService:
 
     def heartbeat(self, sandbox_id: str) -> Sandbox:
         return self._get(sandbox_id).to_model()
+
+    # -- snapshots -----------------------------------------------------------------
+    async def snapshot(self, sandbox_id: str, request: SnapshotRequest) -> Snapshot:
+        """Freeze the sandbox's files as a snapshot to fork from. The sandbox goes on from
+        the snapshot: its files stay, its processes do not (they are stopped to freeze)."""
+        sandbox = self._ready(sandbox_id)
+        snapshot_id = request.snapshot_id or f"snap-{secrets.token_hex(6)}"
+        taken = self.snapshots.existing(snapshot_id, sandbox_id)
+        if taken is not None:
+            return taken.to_model()
+        assert self.runtime is not None
+        if not self.runtime.snapshots or sandbox.host_ids is None:
+            raise Unsupported(f"runtime {self.runtime.name!r} cannot snapshot sandboxes"
+                              + (" (snapshots need a root agent)" if self.runtime.snapshots else ""))
+        self.snapshots.check_depth(sandbox.base)
+        if len(self.snapshots.snapshots) >= self.settings.max_snapshots:
+            raise QuotaExceeded(f"this agent already keeps {len(self.snapshots.snapshots)} snapshots (max_snapshots); "
+                                "delete some")
+        async with sandbox.lock, sandbox.lifecycle:  # between two commands
+            self._ready(sandbox_id)
+            taken = self.snapshots.existing(snapshot_id, sandbox_id)
+            if taken is not None:
+                return taken.to_model()
+            directory = self.snapshots.directory / snapshot_id
+            owner = self.runtime.context.images.owner
+            assert owner is not None
+            ids = sandbox.host_ids
+            sandbox.restarting = True
+            try:
+                upper = await self.runtime.freeze(sandbox, directory)
+            except Unsupported:
+                sandbox.restarting = False
+                raise
+            except Exception as exc:
+                await self._restart_failed(sandbox, exc)
+                raise
+            try:
+                remove_tree(directory / "layer" / "work")
+                size = await asyncio.to_thread(hand_over, upper, ids, owner)
+            except (OSError, QuotaExceeded) as exc:
+                remove_tree(directory)
+                await self._restart_failed(sandbox, exc)
+                raise exc if isinstance(exc, QuotaExceeded) else RuntimeUnavailable(f"snapshot failed: {exc}") from exc
+            parent = sandbox.base
+            snapshot = SnapshotState(snapshot_id=snapshot_id, sandbox_id=sandbox_id, image=sandbox.spec.image,
+                                     directory=directory, layers=[upper, *(parent.layers if parent else [])],
+                                     parent=parent, size_bytes=size)
+            self.snapshots.add(snapshot)
+            self.snapshots.use(snapshot, sandbox_id)
+            if parent is not None:
+                self.snapshots.drop(parent, sandbox_id)
+            sandbox.base = snapshot
+            await self._restart(sandbox)
+        emit_event({"type": "snapshot", "sandbox_id": sandbox_id, "snapshot_id": snapshot_id, "time": time.time()})
+        return snapshot.to_model()
+
+    async def reset(self, sandbox_id: str) -> Sandbox:
+        """Start the sandbox again from where it began (its image, or the snapshot it was
+        forked from): every file change and every process gone, same id and tokens."""
+        sandbox = self._ready(sandbox_id)
+        assert self.runtime is not None
+        if self.runtime.runs_in_place:
+            raise Unsupported(f"runtime {self.runtime.name!r} runs in the agent's own container: it cannot reset it")
+        async with sandbox.lock, sandbox.lifecycle:
+            self._ready(sandbox_id)
+            sandbox.restarting = True
+            try:
+                await self.runtime.stop(sandbox)
+            except Exception as exc:
+                await self._restart_failed(sandbox, exc)
+                raise
+            await self._restart(sandbox)
+        return sandbox.to_model()
+
+    async def _restart(self, sandbox: SandboxState) -> None:
+        """Start a stopped sandbox again on its base (the runtime's start, same ids)."""
+        assert self.runtime is not None
+        sandbox.placement, sandbox.cgroup, sandbox.holder_exit = None, None, None
+        try:
+            await self.runtime.start(sandbox)
+        except Exception as exc:
+            await self._restart_failed(sandbox, exc)
+            raise
+        if sandbox.holder_exit is not None:
+            sandbox.holder_exit.add_done_callback(lambda fut: self._holder_exited(sandbox, fut))
+        sandbox.restarting = False
+
+    async def _restart_failed(self, sandbox: SandboxState, exc: Exception) -> None:
+        reason = exc.message if isinstance(exc, OrchardError) else f"{type(exc).__name__}: {exc}"
+        sandbox.status, sandbox.status_message = "lost", f"restarting it failed: {reason}"
+        sandbox.restarting = False
+        log.warning("sandbox %s lost: %s", sandbox.sandbox_id, sandbox.status_message)
+        emit_event({"type": "lost", "sandbox_id": sandbox.sandbox_id, "time": time.time(),
+                    "reason": sandbox.status_message})
+        await self._release(sandbox)
+
+    def get_snapshot(self, snapshot_id: str) -> Snapshot:
+        return self.snapshots.get(snapshot_id).to_model()
+
+    def list_snapshots(self) -> list[Snapshot]:
+        return self.snapshots.list()
+
+    def delete_snapshot(self, snapshot_id: str) -> None:
+        """Forget a snapshot; its files go once no fork uses them."""
+        self.snapshots.delete(snapshot_id)
 
     # -- exec ----------------------------------------------------------------------
     def _resolve_cwd(self, sandbox: SandboxState, cwd: Optional[str]) -> str:

@@ -45,6 +45,7 @@ class AgentSettings(BaseModel):
     job_retention_bytes: int = Field(512 << 20, gt=0, description="captured output kept over all finished jobs")
     ready_timeout: float = Field(60, gt=0)
     max_sandboxes: int = Field(5000, gt=0)
+    max_snapshots: int = Field(1000, gt=0, description="snapshots kept at once (each holds its sandbox's changes)")
     insecure_registries: list[str] = Field(default_factory=lambda: ["localhost", "127.0.0.1"],
                                            description="allowed registries reached without TLS")
     registries: list[str] = Field(default_factory=lambda: list(DEFAULT_REGISTRIES),

@@ -17,10 +17,10 @@ from abc import abstractmethod
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from orchard.backends.api import AgentEndpoint, Backend, BackendConfig
+from orchard.backends.api import RESET, SNAPSHOTS, AgentEndpoint, Backend, BackendConfig
 from orchard.client.http import ApiClient
-from orchard.errors import AgentUnreachable, OrchardError, SandboxLost
-from orchard.models import Sandbox, SandboxSpec
+from orchard.errors import AgentUnreachable, OrchardError, SandboxLost, SnapshotNotFound
+from orchard.models import Sandbox, SandboxSpec, Snapshot, SnapshotRequest
 
 log = logging.getLogger("orchard.backends")
 
@@ -50,6 +50,7 @@ class AgentBackedBackend(Backend):
     def __init__(self, config: BackendConfig) -> None:
         super().__init__(config)
         self._creating: dict[str, asyncio.Lock] = {}  # sandbox id -> its create in flight
+        self._snapshot_sites: dict[str, str] = {}  # snapshot id -> key of the site that keeps it
 
     def start_timeout(self, spec: SandboxSpec) -> float:
         """How long the agent may take to start this sandbox (``spec.timeout`` when given)."""
@@ -72,6 +73,11 @@ class AgentBackedBackend(Backend):
         """The agent a sandbox was already placed on, if this backend keeps placements: a create
         repeated with the same id goes there (the agent answers: idempotent, or a conflict)."""
         return None
+
+    async def place_fork(self, spec: SandboxSpec, site: AgentSite) -> AgentSite:
+        """``site`` (which keeps the snapshot ``spec`` forks) with the new sandbox reserved on
+        it. Backends with the ``snapshots`` capability implement this."""
+        raise self.refuse(SNAPSHOTS)
 
     async def release(self, site: AgentSite, sandbox_id: str, *, failed: bool = False) -> None:
         """The sandbox left ``site`` (deleted, or ``failed`` to start): free what held it."""
@@ -119,7 +125,9 @@ class AgentBackedBackend(Backend):
     async def _create(self, spec: SandboxSpec) -> Sandbox:
         site = await self.placed(str(spec.sandbox_id))
         fresh = site is None
-        if site is None:
+        if site is None and spec.snapshot is not None:
+            site = await self.place_fork(spec, await self._snapshot_site(spec.snapshot))
+        elif site is None:
             site = await self.place(spec)
         try:
             if site.lost is not None:
@@ -186,3 +194,61 @@ class AgentBackedBackend(Backend):
         if site.lost is not None or site.endpoint is None:
             raise SandboxLost(f"sandbox {sandbox_id!r} is lost: {site.lost or 'its agent has no address'}")
         return site.endpoint
+
+    # -- snapshots (backends with the SNAPSHOTS capability, whose agents are trusted: a
+    # per-job container's or a pod's agent shares its sandbox and never gets these calls) --
+    async def _snapshot_site(self, snapshot_id: str) -> AgentSite:
+        """The site keeping a snapshot: remembered from its creation, else asked around
+        (this backend was rebuilt since)."""
+        if SNAPSHOTS not in self.capabilities:
+            raise self.refuse(SNAPSHOTS)
+        key = self._snapshot_sites.get(snapshot_id)
+        sites = [site for site in await self.sites() if site.lost is None]
+        for site in sorted(sites, key=lambda site: site.key != key):
+            try:
+                await self.forward(site, "GET", f"/snapshots/{snapshot_id}")
+            except (SnapshotNotFound, AgentUnreachable):
+                continue
+            self._snapshot_sites[snapshot_id] = site.key
+            return site
+        self._snapshot_sites.pop(snapshot_id, None)
+        raise SnapshotNotFound(f"snapshot {snapshot_id!r} not found")
+
+    def _snapshot(self, body: dict[str, Any]) -> Snapshot:
+        return Snapshot(**{**body, "backend": self.name})
+
+    async def snapshot(self, sandbox_id: str, request: SnapshotRequest) -> Snapshot:
+        if SNAPSHOTS not in self.capabilities:
+            raise self.refuse(SNAPSHOTS)
+        site = await self.locate(sandbox_id)
+        body = await self.forward(site, "POST", f"/sandboxes/{sandbox_id}/snapshot", json_body=request.model_dump(),
+                                  timeout=300.0)
+        snapshot = self._snapshot(body)
+        self._snapshot_sites[snapshot.snapshot_id] = site.key
+        return snapshot
+
+    async def get_snapshot(self, snapshot_id: str) -> Snapshot:
+        site = await self._snapshot_site(snapshot_id)
+        return self._snapshot(await self.forward(site, "GET", f"/snapshots/{snapshot_id}"))
+
+    async def list_snapshots(self) -> list[Snapshot]:
+        if SNAPSHOTS not in self.capabilities:
+            return []
+        found: list[Snapshot] = []
+        for site in await self.sites():
+            if site.lost is None:
+                found += [self._snapshot(item) for item in (await self.forward(site, "GET", "/snapshots"))["snapshots"]]
+        return found
+
+    async def delete_snapshot(self, snapshot_id: str) -> None:
+        site = await self._snapshot_site(snapshot_id)
+        await self.forward(site, "DELETE", f"/snapshots/{snapshot_id}")
+        self._snapshot_sites.pop(snapshot_id, None)
+
+    async def reset(self, sandbox_id: str) -> Sandbox:
+        if RESET not in self.capabilities:
+            raise self.refuse(RESET)
+        site = await self.locate(sandbox_id)
+        if site.lost is not None:
+            raise SandboxLost(f"sandbox {sandbox_id!r} is lost: {site.lost}")
+        return self.answered(await self.forward(site, "POST", f"/sandboxes/{sandbox_id}/reset", timeout=300.0))

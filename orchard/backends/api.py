@@ -11,7 +11,11 @@ from typing import Any, ClassVar, Optional
 
 from pydantic import BaseModel, ConfigDict
 
-from orchard.models import Sandbox, SandboxSpec
+from orchard.errors import Unsupported
+from orchard.models import Sandbox, SandboxSpec, Snapshot, SnapshotRequest
+
+SNAPSHOTS = "snapshots"  # capability: snapshot, fork (create with ``snapshot``), the snapshot routes
+RESET = "reset"  # capability: reset a sandbox to where it began
 
 
 class BackendConfig(BaseModel):
@@ -30,6 +34,7 @@ class AgentEndpoint(BaseModel):
 class Backend(ABC):
     name: ClassVar[str]
     config_model: ClassVar[type[BackendConfig]] = BackendConfig
+    capabilities: ClassVar[frozenset[str]] = frozenset()  # optional features: SNAPSHOTS, RESET
 
     def __init__(self, config: BackendConfig) -> None:
         self.config = config
@@ -62,6 +67,28 @@ class Backend(ABC):
     @abstractmethod
     async def endpoint(self, sandbox_id: str) -> AgentEndpoint:
         """The agent that serves exec and file calls of this sandbox."""
+
+    def refuse(self, capability: str) -> Unsupported:
+        return Unsupported(f"backend {self.name!r} does not support {capability} (its capabilities: "
+                           f"{', '.join(sorted(self.capabilities)) or 'none of the optional ones'})")
+
+    async def snapshot(self, sandbox_id: str, request: SnapshotRequest) -> Snapshot:
+        """Freeze a sandbox's files for forks (``SNAPSHOTS``). Creating with ``spec.snapshot``
+        forks one; a backend with the capability places the fork where its snapshot is."""
+        raise self.refuse(SNAPSHOTS)
+
+    async def get_snapshot(self, snapshot_id: str) -> Snapshot:
+        raise self.refuse(SNAPSHOTS)
+
+    async def list_snapshots(self) -> list[Snapshot]:
+        return []
+
+    async def delete_snapshot(self, snapshot_id: str) -> None:
+        raise self.refuse(SNAPSHOTS)
+
+    async def reset(self, sandbox_id: str) -> Sandbox:
+        """Start a sandbox again from its image or snapshot, same id (``RESET``)."""
+        raise self.refuse(RESET)
 
     async def resources(self) -> dict[str, Any]:
         """Capacity and usage, for ``GET /resources``."""

@@ -16,7 +16,7 @@ from orchard.backends.api import Backend
 from orchard.backends.loading import load_backend  # noqa: F401  (re-exported)
 from orchard.client.http import ApiClient, ScopedApi
 from orchard.errors import CommandFailed, ExecTimeout, SandboxLost
-from orchard.models import FileEntry, Job, PatchResult, Sandbox, SandboxSpec
+from orchard.models import FileEntry, Job, PatchResult, Sandbox, SandboxSpec, Snapshot, SnapshotRequest
 
 Command = Union[str, list[str]]
 HTTP_MARGIN = 30.0
@@ -168,6 +168,20 @@ class AsyncSandbox:
         self.info = await self.client.status(self.id)
         return self.info
 
+    async def snapshot(self, snapshot_id: Optional[str] = None) -> Snapshot:
+        """Freeze this sandbox's files; :meth:`AsyncClient.fork` starts sandboxes from them.
+        Processes running in it are stopped (it goes on from the snapshot, files intact)."""
+        return await self.client.snapshot(self.id, snapshot_id)
+
+    async def reset(self) -> Sandbox:
+        """Back to where this sandbox began (its image, or the snapshot it was forked from)."""
+        if self.client._remote is not None:
+            self.info = Sandbox(**await self.client._remote.request("POST", f"/sandboxes/{self.id}/reset",
+                                                                    timeout=300 + HTTP_MARGIN))
+        else:
+            self.info = await self.client.backend.reset(self.id)
+        return self.info
+
     async def delete(self) -> None:
         if self._heartbeat_task is not None:
             self._heartbeat_task.cancel()
@@ -253,6 +267,47 @@ class AsyncClient:
         except SandboxLost as exc:  # lost with its agent (a Slurm pilot that ended): the handle still reads
             api = GoneAgent(exc)
         return AsyncSandbox(self, info, api)
+
+    async def snapshot(self, sandbox_id: str, snapshot_id: Optional[str] = None) -> Snapshot:
+        # The id is chosen here, like a sandbox's, so a retried call takes one snapshot.
+        request = SnapshotRequest(snapshot_id=snapshot_id or f"snap-{secrets.token_hex(6)}")
+        if self._remote is not None:
+            return Snapshot(**await self._remote.request("POST", f"/sandboxes/{sandbox_id}/snapshot",
+                                                         json_body=request.model_dump(), timeout=300 + HTTP_MARGIN))
+        return await self.backend.snapshot(sandbox_id, request)
+
+    async def fork(self, snapshot: Union[Snapshot, str], n: int = 1, **spec: Any) -> list[AsyncSandbox]:
+        """``n`` sandboxes started from ``snapshot`` (copy-on-write: no setup, no copy), made
+        concurrently; all or none (those made are deleted if one fails)."""
+        if n < 1:
+            raise ValueError("n must be at least 1")
+        if isinstance(snapshot, str):
+            snapshot = await self.get_snapshot(snapshot)
+        results = await asyncio.gather(*(self.create(snapshot.image, snapshot=snapshot.snapshot_id, **spec)
+                                         for _ in range(n)), return_exceptions=True)
+        made = [r for r in results if isinstance(r, AsyncSandbox)]
+        failed = [r for r in results if not isinstance(r, AsyncSandbox)]
+        if failed:
+            await asyncio.gather(*(sandbox.delete() for sandbox in made), return_exceptions=True)
+            raise failed[0]
+        return made
+
+    async def get_snapshot(self, snapshot_id: str) -> Snapshot:
+        if self._remote is not None:
+            return Snapshot(**await self._remote.request("GET", f"/snapshots/{snapshot_id}"))
+        return await self.backend.get_snapshot(snapshot_id)
+
+    async def list_snapshots(self) -> list[Snapshot]:
+        if self._remote is not None:
+            return [Snapshot(**item) for item in (await self._remote.request("GET", "/snapshots"))["snapshots"]]
+        return await self.backend.list_snapshots()
+
+    async def delete_snapshot(self, snapshot_id: str) -> None:
+        """Its files go once the last fork using them is deleted."""
+        if self._remote is not None:
+            await self._remote.request("DELETE", f"/snapshots/{snapshot_id}")
+        else:
+            await self.backend.delete_snapshot(snapshot_id)
 
     async def status(self, sandbox_id: str) -> Sandbox:
         if self._remote is not None:

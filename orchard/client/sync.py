@@ -11,7 +11,7 @@ import threading
 from typing import Any, Awaitable, Callable, Iterator, Optional, TypeVar
 
 from orchard.client.aio import AsyncClient, AsyncSandbox, Command
-from orchard.models import FileEntry, Job, PatchResult, Sandbox
+from orchard.models import FileEntry, Job, PatchResult, Sandbox, Snapshot
 
 T = TypeVar("T")
 _DONE = object()
@@ -115,6 +115,12 @@ class SyncSandbox:
     def refresh(self) -> Sandbox:
         return self._portal.call(self._inner.refresh())
 
+    def snapshot(self, snapshot_id: Optional[str] = None) -> Snapshot:
+        return self._portal.call(self._inner.snapshot(snapshot_id))
+
+    def reset(self) -> Sandbox:
+        return self._portal.call(self._inner.reset())
+
     def delete(self) -> None:
         self._portal.call(self._inner.delete())
 
@@ -155,6 +161,18 @@ class Client:
 
     def list(self) -> list[Sandbox]:
         return self._portal.call(self._inner.list())
+
+    def fork(self, snapshot: Snapshot | str, n: int = 1, **spec: Any) -> list[SyncSandbox]:
+        return [SyncSandbox(self._portal, inner) for inner in self._portal.call(self._inner.fork(snapshot, n, **spec))]
+
+    def get_snapshot(self, snapshot_id: str) -> Snapshot:
+        return self._portal.call(self._inner.get_snapshot(snapshot_id))
+
+    def list_snapshots(self) -> list[Snapshot]:
+        return self._portal.call(self._inner.list_snapshots())
+
+    def delete_snapshot(self, snapshot_id: str) -> None:
+        self._portal.call(self._inner.delete_snapshot(snapshot_id))
 
     def delete(self, sandbox_id: str) -> None:
         self._portal.call(self._inner.delete(sandbox_id))

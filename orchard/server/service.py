@@ -24,7 +24,8 @@ from orchard.errors import (
     WaitTimeout,
 )
 from orchard.models import (
-    JOB_ID_RULE, ExecRequest, FileUpload, Job, PatchRequest, QueuedJob, Sandbox, SandboxSpec, valid_job_id,
+    JOB_ID_RULE, ExecRequest, FileUpload, Job, PatchRequest, QueuedJob, Sandbox, SandboxSpec, Snapshot, SnapshotRequest,
+    valid_job_id,
 )
 from orchard.plugins import emit_event
 from orchard.server.config import ServerConfig
@@ -289,6 +290,28 @@ class ServerService:
             return self.store.get_job(job_id) or job
         self.store.put_job(fresh)
         return fresh
+
+    # -- snapshots (backends with the capability) --------------------------------------
+    async def snapshot(self, sandbox_id: str, request: SnapshotRequest) -> Snapshot:
+        self.usable(sandbox_id)
+        snapshot = await self.backend.snapshot(sandbox_id, request)
+        emit_event({"type": "snapshot", "sandbox_id": sandbox_id, "snapshot_id": snapshot.snapshot_id,
+                    "time": time.time()})
+        return snapshot
+
+    async def reset(self, sandbox_id: str) -> Sandbox:
+        record = self.usable(sandbox_id)
+        await self.backend.reset(sandbox_id)
+        return record.sandbox
+
+    async def get_snapshot(self, snapshot_id: str) -> Snapshot:
+        return await self.backend.get_snapshot(snapshot_id)
+
+    async def list_snapshots(self) -> list[Snapshot]:
+        return await self.backend.list_snapshots()
+
+    async def delete_snapshot(self, snapshot_id: str) -> None:
+        await self.backend.delete_snapshot(snapshot_id)
 
     # -- files ---------------------------------------------------------------------
     async def _files(self, sandbox_id: str, method: str, suffix: str, **kwargs: Any) -> Any:

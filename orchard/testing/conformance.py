@@ -264,3 +264,4 @@ def test_upload_rejects_bad_base64(sandbox):
 
 from orchard.testing.hostile import *  # noqa: E402,F401,F403
 from orchard.testing.isolation import *  # noqa: E402,F401,F403
+from orchard.testing.snapshots import *  # noqa: E402,F401,F403

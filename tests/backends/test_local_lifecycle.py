@@ -154,7 +154,7 @@ def test_an_idle_agent_exits_and_the_next_call_starts_another():
     from orchard.client import Client
 
     state = Path(f"/tmp/orchard-idle-{os.getpid()}")
-    settings = AgentSettings(state_dir=state, idle_exit_seconds=1.0)
+    settings = AgentSettings(state_dir=state, idle_exit_seconds=3.0)  # 1 s ran out before the listing on a busy machine
     try:
         ensure_agent(settings)
         first = running_agent(settings)
@@ -165,7 +165,7 @@ def test_an_idle_agent_exits_and_the_next_call_starts_another():
         assert running_agent(settings) is None, "an agent with nothing to do kept running"
         with Client(backend_settings={"agent": settings.model_dump(mode="json")}) as client:
             with client.create() as sandbox:
-                time.sleep(2.5)  # a sandbox keeps its agent alive, however quiet
+                time.sleep(4.5)  # a sandbox keeps its agent alive, however quiet
                 assert sandbox.exec("echo again").stdout == "again\n"
         stopped = subprocess.run([sys.executable, "-m", "orchard.cli", "agent", "stop", "--state-dir", str(state)],
                                  capture_output=True, text=True)

@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 from orchard.backends.agent_backed import AgentBackedBackend, AgentSite
-from orchard.backends.api import AgentEndpoint
-from orchard.errors import BackendUnavailable, InvalidRequest
+from orchard.backends.api import RESET, SNAPSHOTS, AgentEndpoint
+from orchard.errors import BackendUnavailable, InvalidRequest, QuotaExceeded, SandboxLost
 from orchard.models import SandboxSpec
 from orchard.quantities import parse_memory
 from orchard_slurm.config import SlurmConfig
@@ -35,6 +35,7 @@ from orchard_slurm.pool import Pilot, PilotPool
 class SlurmBackend(AgentBackedBackend):
     name = "slurm"
     config_model = SlurmConfig
+    capabilities = frozenset({SNAPSHOTS, RESET})  # pilots' agents run bwrap sandboxes (other runtimes may refuse)
 
     def __new__(cls, config: SlurmConfig) -> "SlurmBackend":
         if cls is SlurmBackend and config.mode == "per-job":  # one backend name, two placements
@@ -76,14 +77,31 @@ class SlurmBackend(AgentBackedBackend):
             await self.release(self.site(pilot), sandbox_id, failed=True)
             raise
 
-    async def place(self, spec: SandboxSpec) -> AgentSite:
+    def _check_memory(self, spec: SandboxSpec) -> None:
         share = self.config.sandbox_memory_share()
         if spec.memory and parse_memory(spec.memory) > share:
             raise InvalidRequest(f"memory: at most {share >> 20} MiB per sandbox on these pilots (mem_per_pilot_gb "
                                  f"{self.config.mem_per_pilot_gb:g}, less 256 MiB for the agent, shared by "
                                  f"sandboxes_per_pilot {self.config.sandboxes_per_pilot})")
+
+    async def place(self, spec: SandboxSpec) -> AgentSite:
+        self._check_memory(spec)
         pilot = await self.pool.place_on_pilot()
         self._reserve(pilot, str(spec.sandbox_id))
+        return await self._started(pilot, str(spec.sandbox_id))
+
+    async def place_fork(self, spec: SandboxSpec, site: AgentSite) -> AgentSite:
+        """A fork runs on the pilot that keeps its snapshot (the layers are that node's)."""
+        self._check_memory(spec)
+        async with self.pool.lock:
+            pilot = self.pool.pilots.get(site.key)
+            if pilot is None or not pilot.alive:
+                raise SandboxLost(f"the pilot keeping snapshot {spec.snapshot!r} is gone")
+            if len(pilot.sandboxes) >= self.config.sandboxes_per_pilot:
+                raise QuotaExceeded(f"pilot {pilot.pilot_id}, which keeps snapshot {spec.snapshot!r}, is full "
+                                    f"({self.config.sandboxes_per_pilot} sandboxes, sandboxes_per_pilot): forks run "
+                                    "where their snapshot is")
+            self._reserve(pilot, str(spec.sandbox_id))
         return await self._started(pilot, str(spec.sandbox_id))
 
     async def placed(self, sandbox_id: str) -> Optional[AgentSite]:
@@ -155,6 +173,7 @@ class SlurmBackend(AgentBackedBackend):
 
 
 class PerJobSlurmBackend(SlurmBackend):
+    capabilities = frozenset()  # the job's container is the sandbox: nothing to freeze or restart
     """Per-job placement: a Slurm job of its own for every sandbox, ended with it."""
 
     def _check_image(self, image: str) -> None:

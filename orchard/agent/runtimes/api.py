@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar, Optional
 
-from orchard.errors import RuntimeUnavailable
+from orchard.errors import RuntimeUnavailable, Unsupported
 
 if TYPE_CHECKING:
     from orchard.agent.cgroups import CgroupManager
@@ -38,6 +38,7 @@ class RuntimeContext:
 class IsolationRuntime(ABC):
     name: ClassVar[str]
     runs_in_place: ClassVar[bool] = False  # the agent's own container is the sandbox (``direct``)
+    snapshots: ClassVar[bool] = False  # can freeze a sandbox's writable layer for forks (see freeze)
 
     def __init__(self, context: RuntimeContext) -> None:
         self.context = context
@@ -54,6 +55,12 @@ class IsolationRuntime(ABC):
     @abstractmethod
     async def stop(self, sandbox: "SandboxState") -> None:
         """Kill everything in the sandbox and remove what it left on the host."""
+
+    async def freeze(self, sandbox: "SandboxState", directory: Path) -> Path:
+        """Stop the sandbox (as ``stop`` does) but move its state directory to ``directory``
+        with the writable layer kept; return the layer's upper directory. Runtimes whose
+        sandboxes have an overlay layer (``snapshots = True``) implement this."""
+        raise Unsupported(f"runtime {self.name!r} cannot snapshot sandboxes")
 
     def command(self, sandbox: "SandboxState", argv: list[str], cwd: str, job_cgroup: Optional[Path] = None) -> list[str]:
         """The argv the agent spawns to run ``argv`` in ``cwd`` inside the sandbox."""

@@ -23,6 +23,7 @@ from orchard.agent.runtimes.holder import HOLD_ARGS, launcher_prefix, limit, spa
 from orchard.agent.runtimes.layers import image_workdir, writable_root
 from orchard.agent.runtimes.mounts import MASKED_PROC_DIRS, MASKED_PROC_FILES, system_binds
 from orchard.agent.sandbox import Placement, SandboxState
+from orchard.errors import Unsupported
 from orchard.quantities import optional_bytes
 
 # The ``host`` image shows the system directories (mounts.system_binds) and, of /etc, only an
@@ -87,6 +88,7 @@ def proc_args(empty_file: Path) -> list[str]:
 
 class BwrapRuntime(IsolationRuntime):
     name = "bwrap"
+    snapshots = True
 
     @classmethod
     def unavailable_reason(cls) -> Optional[str]:
@@ -132,7 +134,8 @@ class BwrapRuntime(IsolationRuntime):
 
     def _rootfs_args(self, sandbox: SandboxState, image: ResolvedImage, disk: Optional[int],
                      owner: Optional[tuple[int, int]], placement: Placement) -> list[str]:
-        root = writable_root(sandbox, image, disk, owner, placement, self.context.images.owner)
+        base = sandbox.base.layers if sandbox.base is not None else ()
+        root = writable_root(sandbox, image, disk, owner, placement, self.context.images.owner, base)
         placement.env = {"HOME": "/root", **image.env}
         placement.default_cwd = image_workdir(image, root)
         return ["--bind", str(root), "/", *self._proc_args(), "--dev", "/dev",
@@ -157,3 +160,11 @@ class BwrapRuntime(IsolationRuntime):
     # -- stop ----------------------------------------------------------------------
     async def stop(self, sandbox: SandboxState) -> None:
         await stop_held(sandbox)
+
+    async def freeze(self, sandbox: SandboxState, directory: Path) -> Path:
+        assert sandbox.placement is not None
+        if sandbox.placement.layer is None:
+            raise Unsupported(f"sandbox {sandbox.sandbox_id!r} has no writable layer to snapshot (image "
+                              f"{sandbox.spec.image!r}; snapshots need a directory or docker:// image and a root agent)")
+        await stop_held(sandbox, keep_layer=directory)
+        return directory / "layer" / "upper"

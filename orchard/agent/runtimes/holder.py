@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+from pathlib import Path
 from typing import Optional
 
 from orchard.agent.runtimes.api import RuntimeContext
@@ -94,9 +95,10 @@ async def _read_ready(fd: int, exited: "asyncio.Future[int]") -> bool:
     return readable.done() and os.read(fd, 16) == b"ready\n"
 
 
-async def stop_held(sandbox: SandboxState) -> None:
+async def stop_held(sandbox: SandboxState, keep_layer: Optional[Path] = None) -> None:
     """Kill the holder (PID 1 of the namespace: the kernel kills the rest), then remove
-    the sandbox's cgroup, mounts and state directory."""
+    the sandbox's cgroup, mounts and state directory. ``keep_layer``: move the state
+    directory there instead, with the writable layer (and its tmpfs) still in it (a snapshot)."""
     placement = sandbox.placement
     exited = sandbox.holder_exit is not None and sandbox.holder_exit.done()
     if placement is not None and not exited:  # once it exited, its pids may already be another process's
@@ -119,5 +121,9 @@ async def stop_held(sandbox: SandboxState) -> None:
             await asyncio.sleep(0.02)
     if placement is not None:
         for target in placement.mounts:
-            unmount(target)
+            if keep_layer is None or target != placement.layer:
+                unmount(target)
+    if keep_layer is not None:
+        os.rename(sandbox.state_dir, keep_layer)
+        return
     remove_tree(sandbox.state_dir)

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Iterable, Optional
+from typing import Iterable, Optional, Sequence
 
 from orchard.agent import inroot
-from orchard.agent.host_ids import idmapped_view
+from orchard.agent.host_ids import idmapped_views
 from orchard.agent.images import ResolvedImage
 from orchard.agent.runtimes.mounts import mount
 from orchard.agent.sandbox import Placement, SandboxState
@@ -16,45 +16,54 @@ from orchard.errors import ImageRejected, RuntimeUnavailable
 
 def writable_root(sandbox: SandboxState, image: ResolvedImage, disk: Optional[int],
                   owner: Optional[tuple[int, int]], placement: Placement,
-                  image_owner: Optional[tuple[int, int]] = None) -> Path:
+                  image_owner: Optional[tuple[int, int]] = None, base: Sequence[Path] = ()) -> Path:
     """An overlayfs of the image under a fresh upper layer (on a tmpfs of ``disk`` bytes
     when given), owned by ``owner``; its mounts are recorded in ``placement`` for stop.
-    An image unpacked for ``image_owner`` is shown to the sandbox as its own."""
+    An image unpacked for ``image_owner`` is shown to the sandbox as its own, and so are
+    ``base``, the frozen layers of the snapshot a fork starts from (newest first)."""
     if owner is None:
         raise RuntimeUnavailable("root-filesystem images need a root agent (for the overlayfs writable layer)")
     assert image.rootfs is not None
     sandbox.state_dir.mkdir(mode=0o700)  # only images with a writable layer need one
     os.chown(sandbox.state_dir, *owner)
+    placement.layer = sandbox.state_dir / "layer"
     try:
-        return overlay_root(image.rootfs, sandbox.state_dir, owner, disk, placement.mounts, image_owner)
+        return overlay_root(image.rootfs, sandbox.state_dir, owner, disk, placement.mounts, image_owner, base)
     except OSError as exc:
         raise ImageRejected(f"cannot build the writable layer of {image.reference}: {exc}") from None
 
 
 def overlay_root(lower: Path, directory: Path, owner: tuple[int, int], disk: Optional[int],
-                 mounts: list[Path], lower_owner: Optional[tuple[int, int]] = None) -> Path:
-    """Mount ``directory/root``: an overlay of ``lower`` whose upper layer lives in
-    ``directory/layer`` (a tmpfs of ``disk`` bytes when given), owned by ``owner``. When
-    ``lower`` belongs to ``lower_owner``, another id, the overlay sees it through an
-    idmapped mount (``directory/image``) that shows it owned by ``owner``. Each mount is
-    put at the front of ``mounts`` as it is made, so a failure part-way still leaves the
-    caller the list to undo."""
+                 mounts: list[Path], lower_owner: Optional[tuple[int, int]] = None,
+                 base: Sequence[Path] = ()) -> Path:
+    """Mount ``directory/root``: an overlay of ``base`` (frozen snapshot layers, newest
+    first) over ``lower`` whose upper layer lives in ``directory/layer`` (a tmpfs of
+    ``disk`` bytes when given), owned by ``owner``. When the lower layers belong to
+    ``lower_owner``, another id, the overlay sees them through idmapped mounts
+    (``directory/image``, ``directory/base-N``) that show them owned by ``owner``. Each
+    mount is put at the front of ``mounts`` as it is made, so a failure part-way still
+    leaves the caller the list to undo."""
     layer, root = directory / "layer", directory / "root"
     layer.mkdir()
     root.mkdir()
+    lowers = [*base, lower]
     if lower_owner is not None and lower_owner != owner:
-        view = directory / "image"
-        view.mkdir()
-        idmapped_view(lower, view, lower_owner, owner)
-        mounts.insert(0, view)
-        lower = view
+        views = [directory / f"base-{n}" for n in range(len(base))] + [directory / "image"]
+        for view in views:
+            view.mkdir()
+        try:
+            idmapped_views(list(zip(lowers, views)), lower_owner, owner)
+        finally:
+            mounts[:0] = [view for view in reversed(views) if os.path.ismount(view)]
+        lowers = views
     if disk:
         mount("tmpfs", layer, "tmpfs", f"size={disk},mode=0700,uid={owner[0]},gid={owner[1]}")
         mounts.insert(0, layer)
     for sub in ("upper", "work"):
         (layer / sub).mkdir()
         os.chown(layer / sub, *owner)
-    mount("overlay", root, "overlay", f"lowerdir={lower},upperdir={layer / 'upper'},workdir={layer / 'work'}")
+    lowerdir = ":".join(str(path) for path in lowers)
+    mount("overlay", root, "overlay", f"lowerdir={lowerdir},upperdir={layer / 'upper'},workdir={layer / 'work'}")
     mounts.insert(0, root)
     os.chown(root, *owner)
     return root

@@ -14,7 +14,7 @@ from pydantic import Field
 
 from orchard.agent.settings import AgentSettings
 from orchard.backends.agent_backed import AgentBackedBackend, AgentSite
-from orchard.backends.api import BackendConfig
+from orchard.backends.api import RESET, SNAPSHOTS, BackendConfig
 from orchard.backends.local.launcher import ensure_agent
 from orchard.client.http import ApiClient
 from orchard.errors import AgentUnreachable
@@ -28,6 +28,7 @@ class LocalBackendConfig(BackendConfig):
 class LocalBackend(AgentBackedBackend):
     name = "local"
     config_model = LocalBackendConfig
+    capabilities = frozenset({SNAPSHOTS, RESET})  # the agent's runtime may still refuse (e.g. the ``host`` image)
 
     def __init__(self, config: LocalBackendConfig) -> None:
         super().__init__(config)
@@ -57,6 +58,9 @@ class LocalBackend(AgentBackedBackend):
     # -- placement: always this machine's agent ----------------------------------------
     async def place(self, spec: SandboxSpec) -> AgentSite:
         return await self.agent()
+
+    async def place_fork(self, spec: SandboxSpec, site: AgentSite) -> AgentSite:
+        return site
 
     async def locate(self, sandbox_id: str) -> AgentSite:
         return await self.agent()

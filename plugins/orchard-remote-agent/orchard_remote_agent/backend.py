@@ -7,7 +7,7 @@ from typing import Any, Optional
 from pydantic import Field
 
 from orchard.backends.agent_backed import AgentBackedBackend, AgentSite
-from orchard.backends.api import AgentEndpoint, BackendConfig
+from orchard.backends.api import RESET, SNAPSHOTS, AgentEndpoint, BackendConfig
 from orchard.client.http import ApiClient
 from orchard.models import SandboxSpec
 
@@ -20,6 +20,7 @@ class RemoteAgentConfig(BackendConfig):
 class RemoteAgentBackend(AgentBackedBackend):
     name = "remote-agent"
     config_model = RemoteAgentConfig
+    capabilities = frozenset({SNAPSHOTS, RESET})  # optional features: the agent does them, forks stay on it
 
     def __init__(self, config: RemoteAgentConfig) -> None:
         super().__init__(config)
@@ -29,6 +30,9 @@ class RemoteAgentBackend(AgentBackedBackend):
 
     async def place(self, spec: SandboxSpec) -> AgentSite:
         return self.site
+
+    async def place_fork(self, spec: SandboxSpec, site: AgentSite) -> AgentSite:
+        return site
 
     async def locate(self, sandbox_id: str) -> AgentSite:
         return self.site
