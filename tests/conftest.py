@@ -25,6 +25,18 @@ def agent_settings():
 
 
 @pytest.fixture(scope="session")
+def kit_image():
+    """A directory image with a shell, coreutils, python3 and git (built once, a few seconds):
+    what generated tasks and snapshot tests run in."""
+    from orchard.testing.images import build_kit_image
+
+    parent = Path(f"/tmp/orchard-kit-{os.getpid()}")
+    parent.mkdir(mode=0o755, exist_ok=True)
+    yield str(build_kit_image(parent / "image"))
+    shutil.rmtree(parent, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
 def orchard_backend_settings(agent_settings):
     return {"local": {"agent": agent_settings.model_dump(mode="json")}}
 

@@ -432,6 +432,8 @@ class AgentService:
             return default
         full = str(PurePosixPath(default) / cwd)
         if not exists_in_root(sandbox.placement.root, full, directory=True):
+            if not os.path.exists(sandbox.placement.root):  # its holder just died; the reaper has not seen it yet
+                raise SandboxLost(f"sandbox {sandbox.sandbox_id!r} was lost: its holder exited")
             raise InvalidRequest(f"cwd {full!r} does not exist in sandbox {sandbox.sandbox_id!r} (or is not a directory)")
         return full
 

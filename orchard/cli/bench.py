@@ -47,6 +47,39 @@ def sandboxes(sandboxes: int, commands: int, concurrency: int, command: str, ima
         raise SystemExit(1)
 
 
+@bench.command("forks")
+@click.option("--image", default=None, help="a directory or docker:// image with git (default: one built from "
+                                            "this machine's packages into the agent's rootfs directory)")
+@click.option("--setup", default=None, help="the setup a fresh sandbox runs (default: a 200-file git repository)")
+@click.option("--samples", type=int, default=20, show_default=True, help="fresh sandboxes and single forks timed")
+@click.option("-n", "--forks", type=int, default=64, show_default=True, help="forks of one snapshot made at once")
+@click.option("--output", type=click.Path(path_type=Path), default=None, help="write the JSON here")
+@url_option
+@api_key_option
+@backend_option
+@handle_errors
+def forks(image: Optional[str], setup: Optional[str], samples: int, forks: int, output: Optional[Path],
+          url: Optional[str], api_key: Optional[str], backend: str) -> None:
+    """A prepared sandbox forked (copy-on-write) versus a fresh sandbox plus setup."""
+    from orchard.bench.forks import DEFAULT_SETUP, run
+
+    image = image or str(default_image())
+    result = with_client(url, api_key, backend, lambda client: run(client, image, setup or DEFAULT_SETUP, samples,
+                                                                  forks))
+    report(result, f"orchard bench forks --samples {samples} -n {forks}", output)
+
+
+def default_image() -> Path:
+    """The kit's directory image (shell, coreutils, python3, git), built once into the
+    local agent's rootfs directory, where directory images are always allowed."""
+    from orchard.agent.settings import AgentSettings
+    from orchard.testing.images import build_kit_image
+
+    rootfs = AgentSettings().rootfs_dir
+    rootfs.mkdir(parents=True, exist_ok=True)
+    return build_kit_image(rootfs / "python-git")
+
+
 def with_client(url: Optional[str], api_key: Optional[str], backend: str,
                 work: Callable[[Any], Awaitable[dict]], **options: Any) -> dict:
     """Run ``work(client)`` on an AsyncClient (the server at ``url``, else ``backend`` in process)."""

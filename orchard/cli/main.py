@@ -14,6 +14,8 @@ from orchard.cli.train import train
 from orchard.cli.sandbox import sandbox
 from orchard.cli.quickstart import quickstart
 from orchard.cli.serve import serve
+from orchard.cli.tasks import tasks
+from orchard.cli.eval import evaluate
 
 
 @click.group(cls=PluginGroup, context_settings={"help_option_names": ["-h", "--help"]})
@@ -52,6 +54,8 @@ cli.add_command(quickstart)
 cli.add_command(serve)
 cli.add_command(credit)
 cli.add_command(train)
+cli.add_command(tasks)
+cli.add_command(evaluate)
 
 
 def main() -> None:

@@ -26,7 +26,7 @@ from typing import Any, Optional
 from orchard.backends.agent_backed import AgentBackedBackend, AgentSite
 from orchard.backends.api import RESET, SNAPSHOTS, AgentEndpoint
 from orchard.errors import BackendUnavailable, InvalidRequest, QuotaExceeded, SandboxLost
-from orchard.models import SandboxSpec
+from orchard.models import SandboxSpec, Snapshot, SnapshotRequest
 from orchard.quantities import parse_memory
 from orchard_slurm.config import SlurmConfig
 from orchard_slurm.pool import Pilot, PilotPool
@@ -138,6 +138,24 @@ class SlurmBackend(AgentBackedBackend):
             pilot.idle_since = time.time()
         if not failed:
             await self.pool.shrink()
+
+    # -- snapshots: a pilot keeping one is not idle -------------------------------------
+    async def snapshot(self, sandbox_id: str, request: SnapshotRequest) -> Snapshot:
+        snapshot = await super().snapshot(sandbox_id, request)
+        pilot = self.pool.pilots.get(self._snapshot_sites.get(snapshot.snapshot_id, ""))
+        if pilot is not None:
+            pilot.snapshots.add(snapshot.snapshot_id)
+        return snapshot
+
+    async def delete_snapshot(self, snapshot_id: str) -> None:
+        site = await self._snapshot_site(snapshot_id)
+        await super().delete_snapshot(snapshot_id)
+        pilot = self.pool.pilots.get(site.key)
+        if pilot is not None:
+            pilot.snapshots.discard(snapshot_id)
+            if not pilot.sandboxes and not pilot.snapshots:
+                pilot.idle_since = time.time()
+                await self.pool.shrink()
 
     # -- the rest of the Backend interface ---------------------------------------------
     async def maintain(self) -> None:

@@ -38,6 +38,7 @@ class Pilot:
     submitted_at: float
     time_limit_seconds: float
     sandboxes: set[str] = field(default_factory=set)
+    snapshots: set[str] = field(default_factory=set)  # kept by its agent: the pilot is not idle while they live
     state: str = "PENDING"
     ready_at: Optional[float] = None
     url: Optional[str] = None
@@ -310,7 +311,7 @@ class PilotPool:
                 if not pilot.sandboxes:
                     await self.forget(pilot)
                 continue
-            if pilot.sandboxes or pilot.url is None:
+            if pilot.sandboxes or pilot.snapshots or pilot.url is None:
                 continue
             idle_limit = 0 if self.config.mode == "per-job" else self.config.pilot_idle_seconds
             live = len(self.live())
@@ -379,7 +380,7 @@ class PilotPool:
     async def release_idle(self) -> None:
         """Cancel the pilots that host nothing (the rest stay, for a restarted service to adopt)."""
         for pilot in list(self.pilots.values()):
-            if not pilot.sandboxes and pilot.alive:
+            if not pilot.sandboxes and not pilot.snapshots and pilot.alive:
                 await slurm.cancel(pilot.job_id)
                 pilot.state = "CANCELLED"
                 await self.forget(pilot)

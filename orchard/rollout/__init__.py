@@ -1,0 +1,1 @@
+"""Agent rollouts on sandboxes: policies, the multi-turn loop, grading, batches."""
