@@ -69,6 +69,30 @@ def forks(image: Optional[str], setup: Optional[str], samples: int, forks: int, 
     report(result, f"orchard bench forks --samples {samples} -n {forks}", output)
 
 
+@bench.command("rollouts")
+@click.option("-n", "--rollouts", type=int, default=64, show_default=True)
+@click.option("--turns", type=int, default=20, show_default=True, help="commands per rollout before it submits")
+@click.option("-c", "--concurrency", type=int, default=32, show_default=True)
+@click.option("--command", default="true", show_default=True, help="what each turn runs")
+@click.option("--image", default=None, help="a directory or docker:// image with python3 and git (default: built)")
+@click.option("--profile", type=click.Path(dir_okay=False), default=None, help="write a cProfile summary here")
+@click.option("--grade/--no-grade", default=True, show_default=True, help="grade each rollout (a fresh fork + tests)")
+@click.option("--output", type=click.Path(path_type=Path), default=None, help="write the JSON here")
+@url_option
+@api_key_option
+@backend_option
+@handle_errors
+def rollouts(rollouts: int, turns: int, concurrency: int, command: str, image: Optional[str], profile: Optional[str],
+             grade: bool, output: Optional[Path], url: Optional[str], api_key: Optional[str], backend: str) -> None:
+    """Rollout-engine overhead: an instant policy, real commands, turns per second (grading included)."""
+    from orchard.bench.rollouts import run
+
+    image = image or str(default_image())
+    result = with_client(url, api_key, backend,
+                         lambda client: run(client, image, rollouts, turns, concurrency, command, profile, grade))
+    report(result, f"orchard bench rollouts -n {rollouts} --turns {turns} -c {concurrency}", output)
+
+
 def default_image() -> Path:
     """The kit's directory image (shell, coreutils, python3, git), built once into the
     local agent's rootfs directory, where directory images are always allowed."""

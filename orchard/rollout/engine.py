@@ -36,6 +36,8 @@ class EngineConfig:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     sandbox: dict[str, Any] = field(default_factory=dict, metadata={
         "help": "create options of every sandbox: cpu, memory, disk, block_network, labels"})
+    grade: bool = field(default=True, metadata={
+        "help": "grade what rollouts submit (False: rewards stay None; for collection or overhead runs)"})
     grace_seconds: float = field(default=120.0, metadata={
         "help": "a straggler is cut off this long after its task's time limit (grading included)"})
 
@@ -137,7 +139,7 @@ class RolloutEngine:
         born = time.monotonic()
         try:
             sample = await run_episode(self.policy, sandbox, task, self.config.rollout, attempt)
-            if sample.status in GRADED:
+            if sample.status in GRADED and self.config.grade:
                 sample.diff = await extract_diff(sandbox, task)
         except OrchardError as exc:
             sample = RolloutSample(task.task_id, attempt, RolloutStatus.ABORTED, error=exc.message,
@@ -145,7 +147,7 @@ class RolloutEngine:
         finally:
             await _delete(sandbox)
             lifetimes.append(time.monotonic() - born)
-        if sample.status in GRADED:
+        if sample.status in GRADED and self.config.grade:
             born = time.monotonic()
             sample.grade = await grade(prepared, sample.diff)
             lifetimes.append(time.monotonic() - born)
