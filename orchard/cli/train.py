@@ -1,4 +1,5 @@
-"""``orchard train sft``: masked SFT of a Hugging Face causal LM on an `orchard credit` dataset."""
+"""``orchard train sft``: masked SFT of a Hugging Face causal LM on an `orchard credit` dataset;
+``orchard train rl``: BAR+GRPO in sandboxes (see orchard/train/rl_run.py for the config file)."""
 
 from __future__ import annotations
 
@@ -56,3 +57,32 @@ def sft(model_path: str, data: Path, output: Path, epochs: int, lr: float, min_l
     model.save_pretrained(output / "final")
     tokenizer.save_pretrained(output / "final")
     out.print(f"{trainer.step} steps; last loss {records[-1]['loss']:.4f}" if records else "nothing to do")
+
+
+@train.command("rl")
+@click.option("--config", "config_file", type=click.Path(exists=True, dir_okay=False, path_type=Path), required=True,
+              help="YAML: output_dir, model, tasks, backend, sampling, engine, rollout, trainer, server")
+@click.option("--resume", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None)
+@click.option("--steps", type=int, default=None, help="stop after this many more steps")
+@handle_errors
+def rl(config_file: Path, resume: Path | None, steps: int | None) -> None:
+    """BAR+GRPO: rollouts in sandboxes from the rollout engine, GRPO updates, checkpoints,
+    metrics.jsonl and training.png in output_dir."""
+    import asyncio
+
+    import yaml
+
+    from orchard.train.rl_run import check_keys, run
+
+    config = yaml.safe_load(config_file.read_text()) or {}
+    try:
+        check_keys(config)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
+    records = asyncio.run(run(config, resume, progress=True, steps=steps))
+    if records:
+        last = records[-1]
+        out.print(f"step {last['step']}: success rate {last['success_rate']}, reward {last['reward']}, "
+                  f"rollouts {last['rollouts']}, sandbox errors {last['sandbox_errors']}")
+    else:
+        out.print("nothing to do")

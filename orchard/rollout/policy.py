@@ -87,5 +87,12 @@ class Policy(ABC):
             return len(context.tokens)
         return sum(len(m["content"]) for m in context.messages) // 4
 
+    def state_dict(self) -> Any:
+        """What a trainer's checkpoint keeps of this policy (its sampling RNG), or None."""
+        return None
+
+    def load_state_dict(self, state: Any) -> None:
+        """Restore what ``state_dict`` gave."""
+
     async def close(self) -> None:
         """Release clients and models."""

@@ -61,6 +61,14 @@ class HuggingFacePolicy(Policy):
             model.to(device)
         return cls(model, tokenizer, device=device, **settings)
 
+    def state_dict(self) -> Any:
+        generator = self.sampler.generator
+        return generator.get_state() if generator is not None else None
+
+    def load_state_dict(self, state: Any) -> None:
+        if state is not None and self.sampler.generator is not None:
+            self.sampler.generator.set_state(state)
+
     async def begin(self, messages: list[dict[str, str]]) -> Context:
         context = Context(messages=[dict(m) for m in messages])
         context.append(self.template.prompt(messages))

@@ -9,8 +9,8 @@ interval holds ``p``; anything else is a bug in the pipeline, not in the "model"
 
 from __future__ import annotations
 
+import hashlib
 import random
-import secrets
 from typing import Iterable, Optional
 
 from orchard.rollout.actions import SUBMIT_TURN, bash_block
@@ -19,7 +19,7 @@ from orchard.tasks import Task
 
 
 def _heredoc(patch: str) -> str:
-    marker = f"ORCHARD_PATCH_{secrets.token_hex(6)}"
+    marker = f"ORCHARD_PATCH_{hashlib.sha256(patch.encode()).hexdigest()[:12]}"  # never in the patch; reproducible
     return f"git apply --whitespace=nowarn - <<'{marker}'\n{patch.rstrip(chr(10))}\n{marker}"
 
 
@@ -40,6 +40,12 @@ class NoisyOraclePolicy(ScriptedPolicy):
         if any(not patch.strip() for patch in self.patches.values()):
             raise ValueError("every task needs a reference_patch for the oracle")
         super().__init__(self._turn, **settings)  # type: ignore[arg-type]
+
+    def state_dict(self) -> object:
+        return self.rng.getstate()
+
+    def load_state_dict(self, state: object) -> None:
+        self.rng.setstate(state)  # type: ignore[arg-type]
 
     def _patch_for(self, messages: list[dict[str, str]]) -> str:
         prompt = next(m["content"] for m in messages if m["role"] == "user")
