@@ -47,6 +47,10 @@ def sft(model_path: str, data: Path, output: Path, epochs: int, lr: float, min_l
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype)).to(device)
     rows = [json.loads(line) for line in data.read_text().splitlines() if line.strip()]
     examples = [tokenize_example(tokenizer, row["messages"], max_length) for row in rows]
+    trained = [e for e in examples if sum(e.loss_mask[1:])]  # truncation can leave a row nothing to learn
+    if len(trained) < len(examples):
+        out.print(f"{len(examples) - len(trained)} example(s) have no trained token left after truncation: skipped")
+    examples = trained
     config = SFTConfig(output_dir=output, epochs=epochs, learning_rate=lr, min_learning_rate=min_lr,
                        global_batch_size=global_batch, micro_batch_size=micro_batch,
                        gradient_checkpointing=gradient_checkpointing, pack_length=pack_length)

@@ -1,11 +1,18 @@
 """Calibration of value estimates: Brier score, expected calibration error, and
-temperature scaling fitted on forecasts that did not see the outcome (not circular)."""
+temperature scaling fitted on forecasts that did not see the outcome (not circular).
+
+The temperature is fitted on the forecasts of some tasks and scored on the others
+(:func:`held_out_calibration`): scored on the forecasts it was fitted to, it would look
+better than it is, since it is chosen to fit exactly those. A temperature that does not
+lower the held-out Brier score is reported but not offered for use.
+"""
 
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Iterable, Optional, Sequence
 
 _EPS = 1e-6
 
@@ -83,10 +90,50 @@ class TemperatureScaling:
         return cls(math.exp((a + b) / 2))
 
 
-def calibration_report(forecasts: Sequence[float], outcomes: Sequence[int]) -> dict[str, float]:
-    """Fit on forecasts (estimates made without the outcome) and report before/after."""
-    scaling = TemperatureScaling.fit(forecasts, outcomes)
-    after = scaling.apply_all(forecasts)
-    return {"temperature": scaling.temperature, "brier_before": brier(forecasts, outcomes),
-            "brier_after": brier(after, outcomes), "ece_before": expected_calibration_error(forecasts, outcomes),
-            "ece_after": expected_calibration_error(after, outcomes)}
+def split_tasks(task_ids: Iterable[str], held_out_fraction: float = 0.5) -> tuple[list[str], list[str]]:
+    """Distinct task ids split into (fit, held out), by a hash of the id: every attempt at a
+    task lands on one side (attempts at one task are alike, so splitting them would leak),
+    and the split depends neither on the input order nor on a random seed. Each side gets
+    at least one task when there are two."""
+    if not 0 < held_out_fraction < 1:
+        raise ValueError("held_out_fraction must lie strictly between 0 and 1")
+    tasks = sorted(set(task_ids), key=lambda t: (hashlib.sha256(t.encode()).hexdigest(), t))
+    if len(tasks) < 2:
+        return tasks, []
+    held = min(max(round(len(tasks) * held_out_fraction), 1), len(tasks) - 1)
+    return sorted(tasks[held:]), sorted(tasks[:held])
+
+
+def held_out_calibration(forecasts: Sequence[Sequence[float]], outcomes: Sequence[int], task_ids: Sequence[str],
+                         held_out_fraction: float = 0.5) -> tuple[Optional[TemperatureScaling], dict]:
+    """Fit a temperature on the outcome-blind forecasts ``V(0..T)`` of some tasks' trajectories
+    and score it on the other tasks' (Brier and ECE before/after, held-out part only).
+
+    ``forecasts[i]`` are trajectory i's values, ``outcomes[i]`` its outcome (every value of a
+    trajectory is scored against it), ``task_ids[i]`` its task. Returns the scaling to apply,
+    or None where there is no held-out evidence that it helps (fewer than two tasks, or a
+    held-out Brier score that does not improve), and the report."""
+    if not len(forecasts) == len(outcomes) == len(task_ids):
+        raise ValueError("need one outcome and one task id per trajectory")
+    fit_tasks, held_tasks = split_tasks(task_ids, held_out_fraction)
+    if not held_tasks:
+        return None, {"applied": False, "skipped": "a held-out split needs at least 2 tasks"}
+    held = set(held_tasks)
+
+    def points(side: bool) -> tuple[list[float], list[int]]:
+        chosen = [(f, y) for f, y, t in zip(forecasts, outcomes, task_ids) if (t in held) == side]
+        return [p for f, _ in chosen for p in f], [y for f, y in chosen for _ in f]
+
+    fit_p, fit_y = points(False)
+    held_p, held_y = points(True)
+    if not fit_p or not held_p:
+        return None, {"applied": False, "skipped": "no forecasts on one side of the split"}
+    scaling = TemperatureScaling.fit(fit_p, fit_y)
+    after = scaling.apply_all(held_p)
+    report = {"temperature": scaling.temperature, "fit_tasks": len(fit_tasks), "held_out_tasks": len(held_tasks),
+              "fit_points": len(fit_p), "held_out_points": len(held_p),
+              "brier_before": brier(held_p, held_y), "brier_after": brier(after, held_y),
+              "ece_before": expected_calibration_error(held_p, held_y),
+              "ece_after": expected_calibration_error(after, held_y)}
+    report["applied"] = report["brier_after"] < report["brier_before"]
+    return (scaling if report["applied"] else None), report

@@ -108,10 +108,16 @@ def ascending_segments(step_credits: Sequence[float], threshold: float = 0.0) ->
     return segments
 
 
-def action_mask(trajectory: Trajectory, values: Sequence[float], threshold: float = 0.0) -> list[bool]:
-    """Which actions to train on: all of a resolved trajectory, the ascending ones of a failed one."""
-    if len(values) != len(trajectory.steps) + 1:
-        raise ValueError(f"need {len(trajectory.steps) + 1} values for {len(trajectory.steps)} steps, got {len(values)}")
+def action_mask(trajectory: Trajectory, values: Optional[Sequence[float]], threshold: float = 0.0) -> list[bool]:
+    """Which actions to train on: all of a resolved trajectory, the ascending ones of a failed one.
+
+    A resolved trajectory needs no values (``None``): every action is trained whatever they
+    say, so asking a teacher for them would be wasted; given, they are still checked."""
+    if values is None and trajectory.resolved:
+        return [True] * len(trajectory.steps)
+    if values is None or len(values) != len(trajectory.steps) + 1:
+        got = "none" if values is None else len(values)
+        raise ValueError(f"need {len(trajectory.steps) + 1} values for {len(trajectory.steps)} steps, got {got}")
     if trajectory.resolved:
         return [True] * len(trajectory.steps)
     mask = [False] * len(trajectory.steps)

@@ -10,6 +10,12 @@ accumulation because the normalizer is the whole batch's, never the micro-batch'
 - ``grpo``: mean over sequences of each sequence's token mean;
 - ``dapo``: mean over all tokens of the batch;
 - ``dr_grpo``: sum over tokens divided by a constant (sequences x ``max_length``).
+
+``max_length`` is required for ``dr_grpo``: a padded length differs between micro-batches
+(and with the padding policy), so it cannot be the constant. Padded and masked positions are
+overwritten before any arithmetic, because -inf log-probs there would give inf * 0 = NaN in
+the loss or, through ``exp``'s backward, in the gradients. Samples without a reward (an
+aborted rollout; ``rewarded`` False) count in no numerator and no denominator.
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ class GRPOLossConfig:
     kl_coef: float = field(default=0.0, metadata={"help": "weight of the k3 KL estimate to the reference policy"})
     aggregation: Aggregation = field(default="grpo", metadata={"help": "grpo | dapo | dr_grpo"})
     max_length: Optional[int] = field(default=None, metadata={
-        "help": "dr_grpo's constant: the maximum completion length (default: the batch's padded length)"})
+        "help": "dr_grpo's constant: the maximum completion length (required by dr_grpo)"})
     tis_cap: Optional[float] = field(default=None, metadata={
         "help": "truncated importance sampling: weight tokens by min(pi_old / pi_rollout, cap)"})
 
@@ -44,6 +50,9 @@ class GRPOLossConfig:
             raise ValueError("dual_clip must be greater than 1")
         if self.eps_low < 0 or self.eps_high < 0:
             raise ValueError("eps_low and eps_high must be non-negative")
+        if self.aggregation == "dr_grpo" and (self.max_length is None or self.max_length < 1):
+            # Not a padded length: that differs between micro-batches, so accumulation would be inexact.
+            raise ValueError("dr_grpo needs max_length (the maximum completion length), a positive constant")
 
 
 def group_advantages(rewards: torch.Tensor, scale: bool = True, eps: float = 1e-4) -> torch.Tensor:
@@ -65,10 +74,25 @@ def group_advantages(rewards: torch.Tensor, scale: bool = True, eps: float = 1e-
 
 @dataclass
 class BatchSize:
-    """The whole batch's size, for micro-batches that are parts of it (gradient accumulation)."""
+    """The whole batch's size, for micro-batches that are parts of it (gradient accumulation).
+
+    Counts only samples with a reward; build it with :meth:`of` so that it agrees with what
+    ``grpo_loss`` counts, and add the sizes of parts that are padded differently."""
 
     sequences: int
     tokens: int
+
+    @classmethod
+    def of(cls, mask: torch.Tensor, rewarded: Optional[torch.Tensor] = None) -> "BatchSize":
+        """The size of a ``(B, T)`` loss mask, leaving out rows whose ``rewarded`` is False."""
+        keep = mask != 0
+        if rewarded is not None:
+            keep = keep & rewarded.to(torch.bool).unsqueeze(1)
+        sequences = mask.shape[0] if rewarded is None else int(rewarded.sum().item())
+        return cls(sequences=sequences, tokens=int(keep.sum().item()))
+
+    def __add__(self, other: "BatchSize") -> "BatchSize":
+        return BatchSize(self.sequences + other.sequences, self.tokens + other.tokens)
 
 
 def grpo_loss(
@@ -80,17 +104,26 @@ def grpo_loss(
     ref_logps: Optional[torch.Tensor] = None,
     rollout_logps: Optional[torch.Tensor] = None,
     batch: Optional[BatchSize] = None,
+    rewarded: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The loss of one (micro-)batch and a few statistics.
 
     Shapes: ``logps``, ``old_logps``, ``ref_logps``, ``rollout_logps`` and ``mask`` are
-    ``(B, T)``; ``advantages`` is ``(B,)`` or ``(B, T)``. ``batch`` gives the whole batch's
-    size when this is one micro-batch of several; summing the returned losses over the
-    micro-batches then gives exactly the loss of the whole batch.
+    ``(B, T)``; ``advantages`` is ``(B,)`` or ``(B, T)``; ``rewarded`` is ``(B,)``, False for
+    samples without a reward (NaN), which then count nowhere. ``batch`` gives the whole
+    batch's size (:meth:`BatchSize.of`) when this is one micro-batch of several; summing the
+    returned losses over the micro-batches then gives exactly the loss of the whole batch.
+    Micro-batches may be padded to different lengths.
     """
-    mask = mask.to(logps.dtype)
+    keep = mask != 0
+    if rewarded is not None:
+        keep = keep & rewarded.to(torch.bool).unsqueeze(1)
+    mask = mask.to(logps.dtype).masked_fill(~keep, 0.0)
     if advantages.dim() == 1:
         advantages = advantages.unsqueeze(1)
+    # Before any arithmetic, not after: where() after exp() still back-propagates 0 * inf = NaN.
+    logps, old_logps = logps.masked_fill(~keep, 0.0), old_logps.masked_fill(~keep, 0.0)
+    advantages = torch.where(keep, advantages, torch.zeros((), dtype=advantages.dtype))
     ratio = torch.exp(logps - old_logps)
     clipped = torch.clamp(ratio, 1 - config.eps_low, 1 + config.eps_high)
     objective = torch.min(ratio * advantages, clipped * advantages)
@@ -100,25 +133,26 @@ def grpo_loss(
     if config.tis_cap is not None:
         if rollout_logps is None:
             raise ValueError("tis_cap needs rollout_logps (the rollout engine's log-probs)")
+        rollout_logps = rollout_logps.masked_fill(~keep, 0.0)
         weight = torch.exp(old_logps - rollout_logps).clamp(max=config.tis_cap).detach()
         per_token = per_token * weight
     kl = None
     if config.kl_coef:
         if ref_logps is None:
             raise ValueError("kl_coef needs ref_logps")
-        delta = ref_logps - logps
+        delta = ref_logps.masked_fill(~keep, 0.0) - logps
         kl = torch.exp(delta) - delta - 1  # k3: unbiased, always >= 0
         per_token = per_token + config.kl_coef * kl
-    sequences = batch.sequences if batch else logps.shape[0]
-    tokens = batch.tokens if batch else int(mask.sum().item())
+    size = batch if batch is not None else BatchSize.of(mask, rewarded)
+    sequences, tokens = size.sequences, size.tokens
     if config.aggregation == "grpo":
         per_sequence = (per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)
         loss = per_sequence.sum() / max(sequences, 1)
     elif config.aggregation == "dapo":
         loss = (per_token * mask).sum() / max(tokens, 1)
     else:
-        length = config.max_length or logps.shape[1]
-        loss = (per_token * mask).sum() / (max(sequences, 1) * length)
+        assert config.max_length is not None  # GRPOLossConfig requires it for dr_grpo
+        loss = (per_token * mask).sum() / (max(sequences, 1) * config.max_length)
     with torch.no_grad():
         active = mask.sum().clamp(min=1.0)
         low = ((ratio < 1 - config.eps_low) & (advantages < 0)).to(mask.dtype)

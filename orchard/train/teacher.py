@@ -6,19 +6,33 @@ the known outcome, and asks for ``{"values": [v0, ..., vT]}``. Answers are parse
 strictly: T + 1 numbers in [0, 1] or the answer is malformed; malformed answers are
 retried and then reported as :class:`TeacherError`, never silently read as zeros.
 Calls are bounded in concurrency and cached by prompt.
+
+HTTP failures that may pass (no connection, a timeout, 408, 429, 5xx) are retried with
+exponential backoff and jitter (or the server's ``Retry-After``), a bounded number of
+times; any other status, and the last transient one, is a :class:`TeacherHTTPError`
+naming the status and the server's message.
+
+The answer cache is keyed by model, temperature, system prompt and rendered prompt, so a
+changed prompt never reads old answers. Several teachers (an ensemble) may share one cache
+file: each writes only what it added, merged into the file as it is on disk at that moment
+under an exclusive lock and replaced atomically, so no teacher loses another's answers.
 """
 
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import hashlib
 import json
+import os
+import random
 import re
 from pathlib import Path
 from typing import Any, Optional
 
 import httpx
 
+from orchard.errors import OrchardError
 from orchard.train.credit import Trajectory, ValueEstimator
 
 SYSTEM_PROMPT = (
@@ -38,8 +52,44 @@ with exactly {count} numbers between 0 and 1."""
 OUTCOMES = {True: "\nThe attempt finally RESOLVED the task.\n", False: "\nThe attempt finally did NOT resolve the task.\n"}
 
 
-class TeacherError(RuntimeError):
+class TeacherError(OrchardError, RuntimeError):
     """The teacher gave no usable answer after its retries."""
+
+
+class TeacherHTTPError(TeacherError):
+    """The teacher's endpoint refused the request, or stayed unreachable or failing for all
+    the attempts; ``status`` is the last HTTP status (None: no response at all)."""
+
+    def __init__(self, message: str, status: Optional[int] = None) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def _transient(status: int) -> bool:
+    """Statuses that a later identical request may get past: timeout, rate limit, server trouble."""
+    return status in (408, 429) or 500 <= status < 600
+
+
+def _error_message(response: httpx.Response) -> str:
+    """The server's own words: OpenAI-style ``error.message``, FastAPI's ``detail``, or the text."""
+    try:
+        body = response.json()
+    except ValueError:
+        return response.text[:300] or response.reason_phrase
+    if isinstance(body, dict):
+        error = body.get("error")
+        if isinstance(error, dict) and error.get("message"):
+            return str(error["message"])[:300]
+        if body.get("detail") or error:
+            return str(body.get("detail") or error)[:300]
+    return json.dumps(body)[:300]
+
+
+def _retry_after(response: httpx.Response) -> Optional[float]:
+    try:
+        return max(float(response.headers["Retry-After"]), 0.0)
+    except (KeyError, ValueError):
+        return None  # absent, or an HTTP date: fall back to our own backoff
 
 
 def render_prompt(trajectory: Trajectory, with_outcome: bool, max_chars: int = 2000) -> str:
@@ -68,38 +118,87 @@ def parse_values(content: str, expected: int) -> list[float]:
 
 
 class LLMTeacher(ValueEstimator):
+    """``retries``: further asks after a malformed answer; ``http_attempts``: tries of one
+    request through transient HTTP failures, ``backoff`` seconds before the second, doubling
+    up to ``max_backoff``."""
+
     def __init__(self, base_url: str, model: str, api_key: Optional[str] = None, *, concurrency: int = 8,
                  retries: int = 2, temperature: float = 0.0, timeout: float = 120.0,
-                 cache_path: Optional[Path] = None) -> None:
+                 cache_path: Optional[Path] = None, http_attempts: int = 5, backoff: float = 1.0,
+                 max_backoff: float = 60.0) -> None:
+        if http_attempts < 1:
+            raise ValueError("http_attempts must be at least 1")
         self.base_url = base_url.rstrip("/")
         self.model = model
         self.retries = retries
         self.temperature = temperature
+        self.http_attempts = http_attempts
+        self.backoff = backoff
+        self.max_backoff = max_backoff
         self.slots = asyncio.Semaphore(concurrency)
         self.http = httpx.AsyncClient(timeout=timeout, headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
         self.cache_path = cache_path
-        self.cache: dict[str, list[float]] = {}
-        if cache_path is not None and cache_path.exists():
-            self.cache = json.loads(cache_path.read_text())
-        self.calls = 0
+        self.cache: dict[str, list[float]] = _read_cache(cache_path) if cache_path is not None else {}
+        self.added: dict[str, list[float]] = {}  # what this teacher asked for: all it writes back
+        self.calls = 0  # HTTP requests sent, failed ones included
 
     async def close(self) -> None:
         await self.http.aclose()
-        if self.cache_path is not None:
-            self.cache_path.write_text(json.dumps(self.cache))
+        self.save_cache()
+
+    def save_cache(self) -> None:
+        """Merge this teacher's new answers into the cache file, keeping everyone else's."""
+        if self.cache_path is None or not self.added:
+            return
+        self.cache_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.cache_path.with_name(self.cache_path.name + ".lock"), "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            merged = _read_cache(self.cache_path)
+            merged.update(self.added)
+            partial = self.cache_path.with_name(f"{self.cache_path.name}.{os.getpid()}.tmp")
+            partial.write_text(json.dumps(merged))
+            os.replace(partial, self.cache_path)
+        self.added = {}
+
+    async def _post(self, body: dict) -> httpx.Response:
+        """One request through transient failures; TeacherHTTPError on the others or at the end."""
+        url = f"{self.base_url}/chat/completions"
+        for attempt in range(1, self.http_attempts + 1):
+            wait: Optional[float] = None
+            try:
+                async with self.slots:
+                    self.calls += 1
+                    response = await self.http.post(url, json=body)
+            except (httpx.TimeoutException, httpx.NetworkError, httpx.RemoteProtocolError) as exc:
+                status, problem = None, f"{type(exc).__name__}: {exc}"
+            else:
+                if response.is_success:
+                    return response
+                status, problem = response.status_code, f"HTTP {response.status_code}: {_error_message(response)}"
+                if not _transient(status):
+                    raise TeacherHTTPError(f"teacher {self.model} at {url}: {problem}", status)
+                wait = _retry_after(response)
+            if attempt == self.http_attempts:
+                raise TeacherHTTPError(f"teacher {self.model} at {url} failed {self.http_attempts} attempts; "
+                                       f"last: {problem}", status)
+            if wait is None:
+                wait = self.backoff * 2 ** (attempt - 1) * random.uniform(0.5, 1.0)  # jitter: spread the herd
+            await asyncio.sleep(min(wait, self.max_backoff))
+        raise AssertionError("unreachable")
 
     async def _ask(self, prompt: str) -> str:
         body: dict[str, Any] = {"model": self.model, "temperature": self.temperature, "messages": [
             {"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": prompt}]}
-        async with self.slots:
-            self.calls += 1
-            response = await self.http.post(f"{self.base_url}/chat/completions", json=body)
-        response.raise_for_status()
-        return response.json()["choices"][0]["message"]["content"] or ""
+        response = await self._post(body)
+        try:
+            return response.json()["choices"][0]["message"]["content"] or ""
+        except (ValueError, LookupError, TypeError):
+            raise TeacherError(f"teacher {self.model} at {self.base_url}: not a chat completion: "
+                               f"{response.text[:200]!r}") from None
 
     async def values(self, trajectory: Trajectory, with_outcome: bool = True) -> list[float]:
         prompt = render_prompt(trajectory, with_outcome)
-        key = hashlib.sha256(f"{self.model}\0{self.temperature}\0{prompt}".encode()).hexdigest()
+        key = hashlib.sha256(f"{self.model}\0{self.temperature}\0{SYSTEM_PROMPT}\0{prompt}".encode()).hexdigest()
         if key in self.cache:
             return list(self.cache[key])
         problems = []
@@ -110,7 +209,15 @@ class LLMTeacher(ValueEstimator):
             except ValueError as exc:
                 problems.append(f"{exc} (answer began {content[:80]!r})")
                 continue
-            self.cache[key] = values
+            self.cache[key] = self.added[key] = values
             return values
         raise TeacherError(f"{self.model} gave no usable values for {trajectory.task_id} after "
                            f"{self.retries + 1} tries: " + "; ".join(problems))
+
+
+def _read_cache(path: Path) -> dict[str, list[float]]:
+    """The cache file's answers; a missing file is an empty cache."""
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}

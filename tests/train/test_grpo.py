@@ -91,7 +91,7 @@ def test_matches_trl(ours, theirs, with_kl_and_tis):
 def test_finite_difference_gradients(aggregation):
     logps, old, ref, rollout, mask, adv = make_batch(seed=5, batch=4, length=6)
     config = GRPOLossConfig(aggregation=aggregation, kl_coef=0.1, tis_cap=1.5, dual_clip=3.0, eps_low=0.2,
-                            eps_high=0.28)
+                            eps_high=0.28, max_length=logps.shape[1])
 
     def loss_of(x):
         return grpo_loss(x, old, adv, mask, config, ref_logps=ref, rollout_logps=rollout)[0]
@@ -114,6 +114,100 @@ def test_gradient_accumulation_equals_the_whole_batch(aggregation):
     grad_accumulated = torch.autograd.grad(total, logps)[0]
     assert torch.allclose(total, whole, atol=1e-12)
     assert torch.allclose(grad_accumulated, grad_whole, atol=1e-12)
+
+
+AGGREGATIONS = ["grpo", "dapo", "dr_grpo"]
+
+
+def test_dr_grpo_needs_max_length():
+    # Its normalizer is a constant; a padded length differs between micro-batches (and with
+    # the padding policy), so defaulting to it made accumulated losses inexact.
+    with pytest.raises(ValueError, match="max_length"):
+        GRPOLossConfig(aggregation="dr_grpo")
+
+
+@pytest.mark.parametrize("aggregation", AGGREGATIONS)
+def test_accumulation_is_exact_with_unevenly_padded_micro_batches(aggregation):
+    logps, old, ref, rollout, mask, adv = make_batch(seed=13, batch=8, length=12)
+    lengths = torch.tensor([12, 10, 5, 4, 9, 7, 3, 2])  # completion lengths; past them is padding
+    mask = mask * (torch.arange(12) < lengths[:, None])
+    config = GRPOLossConfig(aggregation=aggregation, kl_coef=0.02, tis_cap=2.0, max_length=16)
+    whole, _ = grpo_loss(logps, old, adv, mask, config, ref_logps=ref, rollout_logps=rollout)
+    grad_whole = torch.autograd.grad(whole, logps)[0]
+    size = BatchSize(sequences=8, tokens=int(mask.sum()))
+    total = 0.0
+    for part in range(4):  # each micro-batch padded to its own longest completion: 12, 5, 9, 3
+        rows = slice(2 * part, 2 * part + 2)
+        width = int(lengths[rows].max())
+        loss, _ = grpo_loss(logps[rows, :width], old[rows, :width], adv[rows], mask[rows, :width], config,
+                            ref_logps=ref[rows, :width], rollout_logps=rollout[rows, :width], batch=size)
+        total = total + loss
+    grad_accumulated = torch.autograd.grad(total, logps)[0]
+    assert torch.allclose(total, whole, atol=1e-12), (float(total), float(whole))
+    assert torch.allclose(grad_accumulated, grad_whole, atol=1e-12)
+
+
+INF = float("inf")
+NAN = float("nan")
+
+
+@pytest.mark.parametrize("aggregation", AGGREGATIONS)
+@pytest.mark.parametrize("garbage", [
+    {"logps": -INF, "old": -INF, "ref": -INF, "rollout": -INF},  # -inf - -inf: NaN everywhere
+    {"logps": 1e4},  # the ratio overflows to inf
+    {"old": -INF},  # the ratio is inf, the importance weight 0
+    {"ref": -INF},  # the k3 KL is inf
+    {"old": 1e4, "rollout": -INF},  # the importance weight is inf before its cap
+    {"logps": NAN, "old": NAN, "ref": NAN, "rollout": NAN},
+], ids=["all-neg-inf", "ratio-overflow", "old-neg-inf", "ref-neg-inf", "weight-overflow", "nan"])
+def test_garbage_at_padded_positions_changes_nothing(aggregation, garbage):
+    logps, old, ref, rollout, mask, adv = make_batch(seed=17)
+    config = GRPOLossConfig(aggregation=aggregation, kl_coef=0.1, tis_cap=2.0, dual_clip=3.0,
+                            max_length=logps.shape[1])
+    clean, _ = grpo_loss(logps, old, adv, mask, config, ref_logps=ref, rollout_logps=rollout)
+    grad_clean = torch.autograd.grad(clean, logps)[0]
+    pad = mask == 0
+    tensors = {"logps": logps.detach(), "old": old, "ref": ref, "rollout": rollout}
+    dirty = {name: t.masked_fill(pad, garbage[name]) if name in garbage else t for name, t in tensors.items()}
+    dirty_logps = dirty["logps"].requires_grad_(True)
+    loss, stats = grpo_loss(dirty_logps, dirty["old"], adv, mask, config, ref_logps=dirty["ref"],
+                            rollout_logps=dirty["rollout"])
+    grad = torch.autograd.grad(loss, dirty_logps)[0]
+    assert torch.isfinite(loss) and torch.all(torch.isfinite(grad)), (float(loss), grad)
+    assert torch.allclose(loss, clean, atol=1e-12)
+    assert torch.allclose(grad, grad_clean, atol=1e-12)
+    assert all(v == v for v in stats.values())  # no NaN statistics either
+
+
+@pytest.mark.parametrize("aggregation", AGGREGATIONS)
+def test_a_sample_without_reward_changes_nothing(aggregation):
+    logps, old, ref, rollout, mask, _ = make_batch(seed=19, batch=9)
+    mask[8] = 1  # the aborted rollout has tokens, and its log-probs look ordinary
+    g = torch.Generator().manual_seed(19)
+    rewards = torch.randn(1, 9, generator=g, dtype=torch.float64)
+    rewards[0, 8] = NAN  # no reward: the rollout was aborted
+    adv = group_advantages(rewards).flatten()
+    assert torch.allclose(adv[:8], group_advantages(rewards[:, :8]).flatten()) and adv[8] == 0
+    rewarded = ~torch.isnan(rewards).flatten()
+    config = GRPOLossConfig(aggregation=aggregation, kl_coef=0.1, tis_cap=2.0, max_length=logps.shape[1])
+    kwargs = dict(ref_logps=ref[:8], rollout_logps=rollout[:8])
+    without, _ = grpo_loss(logps[:8], old[:8], adv[:8], mask[:8], config, **kwargs)
+    grad_without = torch.autograd.grad(without, logps)[0]
+    kwargs = dict(ref_logps=ref, rollout_logps=rollout, rewarded=rewarded)
+    with_it, _ = grpo_loss(logps, old, adv, mask, config, **kwargs)
+    grad_with = torch.autograd.grad(with_it, logps)[0]
+    assert torch.allclose(with_it, without, atol=1e-12), (float(with_it), float(without))
+    assert torch.allclose(grad_with, grad_without, atol=1e-12)
+    # The same over micro-batches: the whole batch's size leaves the sample out too.
+    size = BatchSize.of(mask, rewarded)
+    assert size == BatchSize(sequences=8, tokens=int(mask[:8].sum()))
+    total = 0.0
+    for rows in (slice(0, 4), slice(4, 9)):
+        loss, _ = grpo_loss(logps[rows], old[rows], adv[rows], mask[rows], config, ref_logps=ref[rows],
+                            rollout_logps=rollout[rows], rewarded=rewarded[rows], batch=size)
+        total = total + loss
+    assert torch.allclose(total, without, atol=1e-12)
+    assert torch.allclose(torch.autograd.grad(total, logps)[0], grad_without, atol=1e-12)
 
 
 def test_masked_tokens_get_zero_gradient():

@@ -157,3 +157,39 @@ def test_gradient_checkpointing_gives_the_same_update(tokenizer, tmp_path):
         SFTTrainer(model, data, config, tokenizer.pad_token_id).train()
         params.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
     assert torch.allclose(params[0], params[1], atol=1e-10)
+
+
+def long_conversation(turns):
+    messages = [{"role": "system", "content": "cat README.md", "loss_mask": 0},
+                {"role": "user", "content": "fix the bug in parser.py", "loss_mask": 0}]
+    for i in range(turns):
+        messages += [{"role": "assistant", "content": "edit the file", "loss_mask": 0},
+                     {"role": "user", "content": "1 failed, 3 passed", "loss_mask": 0}]
+    return messages + [{"role": "assistant", "content": "git diff", "loss_mask": 1}]
+
+
+def test_truncation_keeps_the_task_and_the_end_and_drops_the_oldest_turns(tokenizer):
+    messages = long_conversation(30)
+    full = tokenize_example(tokenizer, messages, 10_000)
+    example = tokenize_example(tokenizer, messages, 80)
+    assert len(full.input_ids) > 80 >= len(example.input_ids)
+    trained = [t for t, m in zip(example.input_ids, example.loss_mask) if m]
+    assert tokenizer.decode(trained, skip_special_tokens=True) == "git diff"  # the last trained action survives
+    assert example.input_ids[-len(trained):] == full.input_ids[-len(trained):]
+    # what is left is the conversation without its oldest whole turns: system, task, the latest turns
+    kept = [m for m in messages[:2]]
+    text = tokenizer.decode(example.input_ids)
+    dropped = 0
+    while tokenizer.apply_chat_template(kept + messages[2 + 2 * dropped:], tokenize=False) != text:
+        dropped += 1
+        assert 2 + 2 * dropped < len(messages), "not the conversation minus its oldest turns"
+    assert dropped > 0 and example.dropped_messages == 2 * dropped
+
+
+def test_truncation_keeps_the_end_even_when_one_turn_is_too_long(tokenizer):
+    messages = [{"role": "user", "content": "fix the bug", "loss_mask": 0},
+                {"role": "assistant", "content": "git diff " * 60 + "pytest -q", "loss_mask": 1}]
+    example = tokenize_example(tokenizer, messages, 40)
+    assert len(example.input_ids) == 40 and example.loss_mask[-1] == 1
+    assert tokenizer.decode(example.input_ids, skip_special_tokens=True).endswith("git diff pytest -q")
+    assert tokenizer.decode(example.input_ids).startswith("<|user|>fix the bug<|end|>")

@@ -107,3 +107,136 @@ def test_credit_command_end_to_end(tmp_path):
         assert [m["content"] for m in failed["messages"] if m["loss_mask"]] == ["ls"]  # 0.2 -> 0.6 ascends
     finally:
         server.close()
+
+
+def test_ensemble_teachers_sharing_a_cache_file_keep_each_others_answers(tmp_path):
+    from orchard.train.credit import EnsembleEstimator
+
+    cache = tmp_path / "cache.json"
+    server = ScriptedChatServer(lambda prompt: '{"values": [0.1, 0.4, 0.2]}')
+
+    async def grade(models):
+        teachers = [LLMTeacher(server.url, m, cache_path=cache) for m in models]
+        try:
+            await EnsembleEstimator(teachers).values(TRAJ)
+        finally:
+            for teacher in teachers:
+                await teacher.close()
+        return [t.calls for t in teachers]
+
+    try:
+        assert asyncio.run(grade(["judge-a", "judge-b"])) == [1, 1]
+        assert len(json.loads(cache.read_text())) == 2
+        assert asyncio.run(grade(["judge-a", "judge-b"])) == [0, 0]  # both answered from the cache
+        assert len(server.prompts) == 2
+    finally:
+        server.close()
+
+
+class StatusServer(JsonServer):
+    """Answers with the scripted (status, body) pairs in turn, then a good completion."""
+
+    def __init__(self, script) -> None:
+        self.script = list(script)
+        self.requests = 0
+
+        def answer(path: str, body: dict) -> tuple[int, dict]:
+            self.requests += 1
+            if self.script:
+                return self.script.pop(0)
+            return 200, {"choices": [{"message": {"role": "assistant", "content": '{"values": [0.1, 0.4, 0.2]}'}}]}
+
+        super().__init__(answer)
+        self.url += "/v1"
+
+
+def grade_once(url, **options):
+    async def run():
+        teacher = LLMTeacher(url, "judge", backoff=0.01, **options)
+        try:
+            return await teacher.values(TRAJ), teacher.calls
+        finally:
+            await teacher.close()
+    return asyncio.run(run())
+
+
+def test_transient_http_errors_are_retried_with_backoff():
+    server = StatusServer([(503, {"error": {"message": "overloaded"}}), (429, {"error": {"message": "slow down"}})])
+    try:
+        values, calls = grade_once(server.url)
+        assert values == [0.1, 0.4, 0.2] and calls == 3 and server.requests == 3
+    finally:
+        server.close()
+
+
+def test_a_client_error_is_not_retried_and_names_status_and_message():
+    from orchard.train.teacher import TeacherHTTPError
+
+    server = StatusServer([(400, {"error": {"message": "model 'judge' does not exist"}})])
+    try:
+        with pytest.raises(TeacherHTTPError, match=r"400.*model 'judge' does not exist") as caught:
+            grade_once(server.url)
+        assert caught.value.status == 400 and server.requests == 1
+    finally:
+        server.close()
+
+
+def test_transient_errors_give_up_after_the_attempts():
+    from orchard.train.teacher import TeacherHTTPError
+
+    server = StatusServer([(503, {"detail": "warming up"})] * 10)
+    try:
+        with pytest.raises(TeacherHTTPError, match=r"3 attempts.*503.*warming up") as caught:
+            grade_once(server.url, http_attempts=3)
+        assert caught.value.status == 503 and server.requests == 3
+    finally:
+        server.close()
+    import socket
+
+    with socket.socket() as sock:  # a port nobody listens on: connection refused, retried, then reported
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with pytest.raises(TeacherHTTPError, match="2 attempts.*Connect") as caught:
+        grade_once(f"http://127.0.0.1:{port}/v1", http_attempts=2)
+    assert caught.value.status is None
+
+
+def test_resolved_trajectories_cost_no_teacher_call():
+    from orchard.train.credit_pipeline import build_sft_dataset
+
+    solved = Trajectory("t10", "x", [Step("a", "b")], resolved=True)
+    server = ScriptedChatServer(lambda prompt: '{"values": [0.2, 0.6, 0.3]}')
+
+    async def run():
+        teacher = LLMTeacher(server.url, "judge")
+        try:
+            return await build_sft_dataset([TRAJ, solved], teacher), teacher.calls
+        finally:
+            await teacher.close()
+
+    try:
+        result, calls = asyncio.run(run())
+        assert calls == 1 and len(server.prompts) == 1 and "did NOT resolve" in server.prompts[0]
+        assert [e["task_id"] for e in result.examples] == ["t9", "t10"]
+    finally:
+        server.close()
+
+
+def test_credit_command_reports_a_refusing_endpoint_in_one_line(tmp_path):
+    import subprocess
+    import sys
+
+    from orchard.train.credit import save_jsonl
+
+    trajs = tmp_path / "trajs.jsonl"
+    save_jsonl([TRAJ.to_dict()], trajs)
+    server = StatusServer([(401, {"error": {"message": "invalid api key"}})])
+    try:
+        result = subprocess.run([sys.executable, "-m", "orchard.cli", "credit", str(trajs), "--out",
+                                 str(tmp_path / "sft.jsonl"), "--teacher-url", server.url, "--model", "judge"],
+                                capture_output=True, text=True, timeout=60)
+    finally:
+        server.close()
+    assert result.returncode == 2, result.stderr
+    assert "TeacherHTTPError" in result.stderr and "401" in result.stderr and "invalid api key" in result.stderr
+    assert "Traceback" not in result.stderr
