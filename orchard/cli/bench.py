@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any, Awaitable, Callable, Optional
 
 import click
-from rich.table import Table
+from rich.table import Column, Table
 
 from orchard.cli.common import PluginGroup, api_key_option, backend_option, handle_errors, out, url_option
 
@@ -94,14 +94,9 @@ def rollouts(rollouts: int, turns: int, concurrency: int, command: str, image: O
 
 
 def default_image() -> Path:
-    """The kit's directory image (shell, coreutils, python3, git), built once into the
-    local agent's rootfs directory, where directory images are always allowed."""
-    from orchard.agent.settings import AgentSettings
-    from orchard.testing.images import build_kit_image
+    from orchard.testing.images import local_kit_image
 
-    rootfs = AgentSettings().rootfs_dir
-    rootfs.mkdir(parents=True, exist_ok=True)
-    return build_kit_image(rootfs / "python-git")
+    return local_kit_image()
 
 
 def with_client(url: Optional[str], api_key: Optional[str], backend: str,
@@ -164,28 +159,51 @@ def files(samples: int, size: int, output: Optional[Path], url: Optional[str], a
 
 @bench.command("bar")
 @click.option("--seeds", type=int, default=5, show_default=True)
+@click.option("--steps", type=int, default=None, help="optimizer steps per run (default: SimulationParams)")
+@click.option("--group-size", type=int, default=None, help="G (default: SimulationParams)")
+@click.option("--max-rollouts", type=int, default=None, help="N_max (default: SimulationParams)")
+@click.option("--strides", default=None, help="BAR's strides, comma-separated (default: SimulationParams)")
 @click.option("--output", type=click.Path(path_type=Path), default=None, help="write the JSON here")
 @click.option("--plot", "plot_path", type=click.Path(path_type=Path), default=None, help="write a PNG here")
 @handle_errors
-def bar(seeds: int, output: Optional[Path], plot_path: Optional[Path]) -> None:
-    """Simulated RL steps: fixed-G, DAPO dynamic sampling, static and adaptive BAR."""
-    from orchard.bench.bar import plot, run
+def bar(seeds: int, steps: Optional[int], group_size: Optional[int], max_rollouts: Optional[int],
+        strides: Optional[str], output: Optional[Path], plot_path: Optional[Path]) -> None:
+    """Simulated GRPO training: fixed-G, DAPO, prefilter, downsample, static and adaptive BAR."""
+    from dataclasses import replace
 
-    result = run(seeds)
-    table = Table("method", "rollouts / informative group", "informative share", "fallback rate", "group balance",
-                  "rollouts / step", title=f"orchard bench bar --seeds {seeds}")
+    from orchard.bench.bar import SimulationParams, plot, run
 
-    def cell(value: Optional[dict], digits: int = 3) -> str:
-        return "-" if value is None else f"{value['mean']:.{digits}f} ± {value['std']:.{digits}f}"
+    changes: dict[str, Any] = {"steps": steps, "group_size": group_size, "max_rollouts": max_rollouts,
+                               "strides": tuple(int(s) for s in strides.split(",")) if strides else None}
+    params = replace(SimulationParams(), **{k: v for k, v in changes.items() if v is not None})
+    result = run(seeds, params)
+    title = (f"orchard bench bar --seeds {seeds}: G={params.group_size}, N_max={params.max_rollouts}, "
+             f"{params.steps} steps; held-out pass rate (%) starts at {100 * result['held_out_start']:.1f}")
+    table = Table(Column("method", no_wrap=True), "held-out @ equal sandbox-h", "@ equal wall-clock", "@ equal steps",
+                  "rollouts/step", "p95 | max", "wall min/step", "p95 | max", "prompts/step", "zero-adv share",
+                  title=title)
+
+    def cell(value: Optional[dict], scale: float = 1.0, digits: int = 1) -> str:
+        return "-" if value is None else f"{value['mean'] * scale:.{digits}f} ± {value['std'] * scale:.{digits}f}"
 
     for method, s in result["summary"].items():
-        table.add_row(method, cell(s["rollouts_per_informative_group"], 2), cell(s["informative_share"]),
-                      cell(s["fallback_rate"]), cell(s["group_balance"]), cell(s["rollouts_per_step"], 1))
+        p95_max = f"{s['rollouts_per_step_p95']['mean']:.0f} | {s['rollouts_per_step_max']['mean']:.0f}"
+        wall_p95_max = (f"{s['wall_clock_per_step_p95_s']['mean'] / 60:.0f} | "
+                        f"{s['wall_clock_per_step_max_s']['mean'] / 60:.0f}")
+        table.add_row(method, cell(s["held_out_at_equal_sandbox_time"], 100),
+                      cell(s["held_out_at_equal_wall_clock"], 100), cell(s["held_out_at_equal_steps"], 100),
+                      cell(s["rollouts_per_step"]), p95_max, cell(s["wall_clock_per_step_s"], 1 / 60), wall_p95_max,
+                      cell(s["prompts_per_step"]), cell(s["zero_advantage_share"], 1.0, 3))
     out.print(table)
-    for name, value in result["ratios"].items():
-        out.print(f"{name}: {value:.3f}")
-    for name, met in result["targets"].items():
-        out.print(f"target {name}: {'[green]met[/green]' if met else '[red]missed[/red]'}")
+    out.print(f"equal budgets: {result['sandbox_budget_hours']:.0f} sandbox-hours, "
+              f"{result['wall_budget_hours']:.1f} wall-clock hours (the least any method spent, mean over seeds)")
+    for metric, method in result["winners"].items():
+        out.print(f"best {metric}: {method}")
+    for pair, deltas in result["paired"].items():
+        out.print(f"{pair} (per seed): held-out {cell(deltas['held_out_at_equal_sandbox_time'], 100)} pts at equal "
+                  f"sandbox-h, {cell(deltas['held_out_at_equal_wall_clock'], 100)} at equal wall-clock, "
+                  f"{cell(deltas['held_out_at_equal_steps'], 100)} at equal steps; rollouts/step "
+                  f"{cell(deltas['rollouts_per_step'])}, wall min/step {cell(deltas['wall_clock_per_step_s'], 1 / 60)}")
     if output:
         output.write_text(json.dumps(result, indent=2))
     if plot_path:

@@ -90,3 +90,13 @@ def build_kit_image(root: Path) -> Path:
     staging.rename(root)
     root.chmod(0o755)
     return root
+
+
+def local_kit_image() -> Path:
+    """The kit image, built once into the local agent's rootfs directory (where directory
+    images are always allowed): benchmarks and the pipeline run in it by default."""
+    from orchard.agent.settings import AgentSettings
+
+    rootfs = AgentSettings().rootfs_dir
+    rootfs.mkdir(parents=True, exist_ok=True)
+    return build_kit_image(rootfs / "python-git")
