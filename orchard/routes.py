@@ -10,11 +10,11 @@ import inspect
 import json
 from typing import Any, AsyncIterator, Optional, Protocol
 
-from fastapi import FastAPI, Header, Query, Request
+from fastapi import FastAPI, Header, Path, Query, Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel
 
-from orchard.models import ExecRequest, FileUpload, PatchRequest, SandboxSpec, SnapshotRequest
+from orchard.models import SANDBOX_ID_PATTERN, ExecRequest, FileUpload, PatchRequest, SandboxSpec, SnapshotRequest
 from orchard.webapi import MAX_WAIT_SECONDS, model_response, parse_body
 
 
@@ -55,6 +55,11 @@ def _json_body(model: type[BaseModel]) -> dict:
 _BINARY = {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}
 _BINARY_BODY = {"requestBody": {"required": True, "content": _BINARY}}  # read as a stream, not parsed
 _BINARY_RESPONSE: dict = {200: {"description": "the file's bytes", "content": _BINARY}}
+
+
+# A snapshot id in a URL is checked as in a body (an id is never '..' nor holds '#' or '?',
+# which would address another resource once forwarded to an agent).
+_SNAPSHOT_ID = Path(pattern=SANDBOX_ID_PATTERN, description="a snapshot id")
 
 
 async def _value(result: Any) -> Any:
@@ -166,11 +171,11 @@ def add_sandbox_routes(app: FastAPI, ops: SandboxOperations) -> None:
         return model_response({"snapshots": [s.model_dump() for s in await _value(ops.list_snapshots())]})
 
     @app.get("/snapshots/{snapshot_id}")
-    async def get_snapshot(snapshot_id: str) -> Response:
+    async def get_snapshot(snapshot_id: str = _SNAPSHOT_ID) -> Response:
         return model_response(await _value(ops.get_snapshot(snapshot_id)))
 
     @app.delete("/snapshots/{snapshot_id}")
-    async def delete_snapshot(snapshot_id: str) -> dict:
+    async def delete_snapshot(snapshot_id: str = _SNAPSHOT_ID) -> dict:
         """Its files stay until the last fork using them is deleted."""
         await _value(ops.delete_snapshot(snapshot_id))
         return {"snapshot_id": snapshot_id, "deleted": True}

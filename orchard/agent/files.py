@@ -19,13 +19,13 @@ from pathlib import PurePosixPath
 from typing import TYPE_CHECKING, AsyncIterator, Optional
 
 from orchard.agent.jobs import settle_holder
-from orchard.errors import FileOperationFailed, PayloadTooLarge, RuntimeUnavailable, SandboxLost
+from orchard.errors import FileOperationFailed, PayloadTooLarge, RuntimeUnavailable, SandboxLost, SandboxNotReady
 from orchard.models import FileEntry
 
 if TYPE_CHECKING:
     from orchard.agent.reaper import ChildReaper
     from orchard.agent.runtimes.api import IsolationRuntime
-    from orchard.agent.sandbox import SandboxState
+    from orchard.agent.sandbox import Placement, SandboxState
 
 FILE_ERROR_EXIT = 3  # enter_files.c: the operation failed, the reason is on stderr
 HELPER_FAILED_EXIT = 125
@@ -77,15 +77,25 @@ class SandboxFiles:
         self.sandbox = sandbox
         self.reaper = reaper
         self.agent_slots = agent_slots  # file calls in flight over all sandboxes
+        self.placement: Optional["Placement"] = None  # the sandbox's as the call started
 
-    async def _acquire(self) -> None:
+    async def _acquire(self, path: str) -> str:
         """A slot of this sandbox, then one of the agent's: calls beyond them wait, so no
-        caller can run the agent out of processes or descriptors."""
+        caller can run the agent out of processes or descriptors. Then the sandbox is
+        checked again (a snapshot or reset may have begun meanwhile: the call must not run
+        against the holder it stops) and ``path`` made absolute. Release the slots after."""
         await self.sandbox.file_slots.acquire()
         try:
             await self.agent_slots.acquire()
         except BaseException:
             self.sandbox.file_slots.release()
+            raise
+        try:
+            self.sandbox.check_ready()  # no await from here to the helper's spawn
+            self.placement = self.sandbox.placement
+            return self.absolute(path)
+        except BaseException:
+            self._release()
             raise
 
     def _release(self) -> None:
@@ -146,6 +156,9 @@ class SandboxFiles:
         await settle_holder(self.sandbox)
         if self.sandbox.status == "lost":
             return SandboxLost(f"sandbox {self.sandbox.sandbox_id!r} was lost: {self.sandbox.status_message}")
+        if self.sandbox.restarting or self.sandbox.placement is not self.placement:
+            return SandboxNotReady(f"sandbox {self.sandbox.sandbox_id!r} was restarted (a snapshot or reset) during "
+                                   "the file call; call again")
         if code == HELPER_FAILED_EXIT:
             return RuntimeUnavailable(f"file call could not enter the sandbox: {text[-500:]}")
         cgroup = self.sandbox.cgroup
@@ -162,8 +175,7 @@ class SandboxFiles:
     # -- operations ----------------------------------------------------------------
     async def write(self, path: str, chunks: AsyncIterator[bytes], mode: Optional[int] = None) -> tuple[str, int]:
         """Write a file from a byte stream; returns (absolute path, bytes written)."""
-        full = self.absolute(path)
-        await self._acquire()
+        full = await self._acquire(path)
         try:
             return await self._write(full, chunks, mode)
         finally:
@@ -193,8 +205,7 @@ class SandboxFiles:
 
     async def open_read(self, path: str, max_bytes: int = -1) -> tuple[str, int, AsyncIterator[bytes]]:
         """(absolute path, size on disk, the bytes as they are read) of a regular file."""
-        full = self.absolute(path)
-        await self._acquire()  # held until the caller has read the whole file (or stopped)
+        full = await self._acquire(path)  # held until the caller has read the whole file (or stopped)
         try:
             run = await self._start(["read", full, str(max_bytes)])
             size = self._header(await run.stdout.readline())
@@ -229,8 +240,7 @@ class SandboxFiles:
 
     async def list(self, path: str, offset: int, limit: int) -> tuple[str, int, list[FileEntry]]:
         """(absolute path, number of entries, the entries [offset, offset + limit) by name)."""
-        full = self.absolute(path)
-        await self._acquire()
+        full = await self._acquire(path)
         try:
             return await self._list(full, offset, limit)
         finally:

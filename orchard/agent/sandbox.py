@@ -11,6 +11,7 @@ from typing import Optional
 
 from orchard.agent.cgroups import SandboxCgroup
 from orchard.agent.snapshots import SnapshotState
+from orchard.errors import SandboxLost, SandboxNotReady
 from orchard.models import Sandbox, SandboxSpec, SandboxStatus
 
 
@@ -54,6 +55,19 @@ class SandboxState:
     incarnation: str = field(default_factory=lambda: secrets.token_hex(8))  # per-sandbox tokens are bound to it
     base: Optional["SnapshotState"] = None  # the snapshot it was forked from (its overlay's lower layers)
     restarting: bool = False  # a snapshot or reset is replacing its holder: the old one's exit is no loss
+
+    def check_ready(self) -> None:
+        """Raise the typed error a call gets when the sandbox cannot take it now."""
+        sandbox_id = self.sandbox_id
+        if self.status == "lost":
+            raise SandboxLost(f"sandbox {sandbox_id!r} was lost: {self.status_message}")
+        if self.status == "failed":
+            raise SandboxNotReady(f"sandbox {sandbox_id!r} failed to start: {self.status_message}")
+        if self.status != "ready":
+            raise SandboxNotReady(f"sandbox {sandbox_id!r} is {self.status}; wait for it to be ready")
+        if self.restarting:
+            raise SandboxNotReady(f"sandbox {sandbox_id!r} is restarting (a snapshot or reset); call again when "
+                                  "that returns")
 
     def to_model(self) -> Sandbox:
         spec = self.spec

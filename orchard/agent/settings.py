@@ -6,10 +6,11 @@ import os
 from pathlib import Path
 from typing import Any, Optional
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from orchard.agent.host_ids import DEFAULT_HOST_UID
 from orchard.agent.image_policy import DEFAULT_REGISTRIES
+from orchard.quantities import parse_bytes
 
 
 def default_state_dir() -> Path:
@@ -46,6 +47,9 @@ class AgentSettings(BaseModel):
     ready_timeout: float = Field(60, gt=0)
     max_sandboxes: int = Field(5000, gt=0)
     max_snapshots: int = Field(1000, gt=0, description="snapshots kept at once (each holds its sandbox's changes)")
+    max_snapshot_bytes: str = Field("8Gi", description="bytes all snapshots may hold together (their layers stay in "
+                                    "memory, outside every sandbox's memory limit); a snapshot that would pass it is "
+                                    "refused")
     insecure_registries: list[str] = Field(default_factory=lambda: ["localhost", "127.0.0.1"],
                                            description="allowed registries reached without TLS")
     registries: list[str] = Field(default_factory=lambda: list(DEFAULT_REGISTRIES),
@@ -67,6 +71,12 @@ class AgentSettings(BaseModel):
     max_list_entries: int = Field(10000, gt=0, description="most directory entries one files/list page returns")
     cgroups_below_own: bool = Field(False, description="make sandbox cgroups below the agent's own (cgroup v1), so "
                                     "limits on the agent's cgroup, such as a Slurm job's, bound its sandboxes too")
+
+    @field_validator("max_snapshot_bytes")
+    @classmethod
+    def _size(cls, value: str) -> str:
+        parse_bytes(value, "max_snapshot_bytes")
+        return value
 
     @property
     def agent_dir(self) -> Path:

@@ -16,13 +16,22 @@ import secrets
 from abc import abstractmethod
 from dataclasses import dataclass
 from typing import Any, Optional
+from urllib.parse import quote
 
 from orchard.backends.api import RESET, SNAPSHOTS, AgentEndpoint, Backend, BackendConfig
 from orchard.client.http import ApiClient
-from orchard.errors import AgentUnreachable, OrchardError, SandboxLost, SnapshotNotFound
+from orchard.errors import AgentUnreachable, InvalidRequest, OrchardError, SandboxLost, SnapshotNotFound
 from orchard.models import Sandbox, SandboxSpec, Snapshot, SnapshotRequest
 
 log = logging.getLogger("orchard.backends")
+
+
+def _segment(value: str) -> str:
+    """An id as one URL path segment: '/', '#' and '?' never address another resource, and
+    '.' or '..' (which URLs normalize away, encoded or not) are refused."""
+    if value in ("", ".", ".."):
+        raise InvalidRequest(f"{value!r} is not an id")
+    return quote(value, safe="")
 
 
 @dataclass
@@ -144,7 +153,7 @@ class AgentBackedBackend(Backend):
         site = await self.locate(sandbox_id)
         try:
             if site.lost is None:
-                await self.forward(site, "DELETE", f"/sandboxes/{sandbox_id}")
+                await self.forward(site, "DELETE", f"/sandboxes/{_segment(sandbox_id)}")
         finally:
             await self.release(site, sandbox_id)
 
@@ -153,7 +162,7 @@ class AgentBackedBackend(Backend):
         if site.lost is not None:
             return self.lost_sandbox(sandbox_id, site)
         try:
-            return self.answered(await self.forward(site, "GET", f"/sandboxes/{sandbox_id}"))
+            return self.answered(await self.forward(site, "GET", f"/sandboxes/{_segment(sandbox_id)}"))
         except AgentUnreachable:
             site = await self.recheck(site)  # the agent went away: ask the scheduler why, now
             if site.lost is not None:
@@ -206,7 +215,7 @@ class AgentBackedBackend(Backend):
         sites = [site for site in await self.sites() if site.lost is None]
         for site in sorted(sites, key=lambda site: site.key != key):
             try:
-                await self.forward(site, "GET", f"/snapshots/{snapshot_id}")
+                await self.forward(site, "GET", f"/snapshots/{_segment(snapshot_id)}")
             except (SnapshotNotFound, AgentUnreachable):
                 continue
             self._snapshot_sites[snapshot_id] = site.key
@@ -221,15 +230,15 @@ class AgentBackedBackend(Backend):
         if SNAPSHOTS not in self.capabilities:
             raise self.refuse(SNAPSHOTS)
         site = await self.locate(sandbox_id)
-        body = await self.forward(site, "POST", f"/sandboxes/{sandbox_id}/snapshot", json_body=request.model_dump(),
-                                  timeout=300.0)
+        body = await self.forward(site, "POST", f"/sandboxes/{_segment(sandbox_id)}/snapshot",
+                                  json_body=request.model_dump(), timeout=300.0)
         snapshot = self._snapshot(body)
         self._snapshot_sites[snapshot.snapshot_id] = site.key
         return snapshot
 
     async def get_snapshot(self, snapshot_id: str) -> Snapshot:
         site = await self._snapshot_site(snapshot_id)
-        return self._snapshot(await self.forward(site, "GET", f"/snapshots/{snapshot_id}"))
+        return self._snapshot(await self.forward(site, "GET", f"/snapshots/{_segment(snapshot_id)}"))
 
     async def list_snapshots(self) -> list[Snapshot]:
         if SNAPSHOTS not in self.capabilities:
@@ -242,7 +251,7 @@ class AgentBackedBackend(Backend):
 
     async def delete_snapshot(self, snapshot_id: str) -> None:
         site = await self._snapshot_site(snapshot_id)
-        await self.forward(site, "DELETE", f"/snapshots/{snapshot_id}")
+        await self.forward(site, "DELETE", f"/snapshots/{_segment(snapshot_id)}")
         self._snapshot_sites.pop(snapshot_id, None)
 
     async def reset(self, sandbox_id: str) -> Sandbox:
@@ -251,4 +260,5 @@ class AgentBackedBackend(Backend):
         site = await self.locate(sandbox_id)
         if site.lost is not None:
             raise SandboxLost(f"sandbox {sandbox_id!r} is lost: {site.lost}")
-        return self.answered(await self.forward(site, "POST", f"/sandboxes/{sandbox_id}/reset", timeout=300.0))
+        return self.answered(await self.forward(site, "POST", f"/sandboxes/{_segment(sandbox_id)}/reset",
+                                                timeout=300.0))

@@ -2,23 +2,137 @@
 
 from __future__ import annotations
 
+import asyncio
+import errno
 import os
 import shutil
-from contextlib import suppress
+import socket
+import time
+from contextlib import contextmanager, suppress
 import stat
 from pathlib import Path
+from typing import Any, Iterator, Optional
 
 import pytest
 
+from orchard.agent.sandbox import FILE_CALLS_PER_SANDBOX
 from orchard.agent.settings import AgentSettings
+from orchard.agent.snapshots import MAX_LAYERS
+from orchard.agent.runtimes.mounts import mounts_below
 from orchard.errors import (
-    AuthenticationFailed, InvalidRequest, QuotaExceeded, SandboxConflict, SandboxLost, SandboxNotFound, SnapshotNotFound, Unsupported,
+    AuthenticationFailed, InvalidRequest, OrchardError, QuotaExceeded, SandboxConflict, SandboxLost, SandboxNotFound,
+    SnapshotNotFound, Unsupported,
 )
-from tests.backends.test_local_isolation import host_uid_of
+from tests.backends.test_local_isolation import holder_pid, host_uid_of
 from tests.conftest import TEST_STATE_DIR
 from tests.images import busybox_rootfs
 
 SNAPSHOTS = TEST_STATE_DIR / "snapshots"
+DEEP_TREE = "cd /workspace && mkdir -p $(printf 'd/%.0s' $(seq 1500))"  # deeper than Python's recursion limit
+# 3 x 701 directories deep, each path given shorter than PATH_MAX
+TOO_DEEP_TO_HAND_OVER = ("cd /workspace && P=$(printf 'd/%.0s' $(seq 700)) && mkdir -p x1/$P x2/$P x3/$P && "
+                         "mv x3 x2/$P && mv x2 x1/$P")
+
+
+@contextmanager
+def _agent(name: str, **settings: Any) -> Iterator[tuple[Any, AgentSettings]]:
+    """A client on an agent of its own (settings the session's agent does not have)."""
+    from orchard.backends.local.launcher import stop_agent
+    from orchard.client import Client
+
+    state_dir = Path(name if name.startswith("/") else f"/tmp/orchard-snap-{name}-{os.getpid()}")
+    agent = AgentSettings(state_dir=state_dir, image_dirs=["/tmp"], **settings)
+    client = Client(backend="local", backend_settings={"agent": agent.model_dump(mode="json")})
+    try:
+        yield client, agent
+    finally:
+        client.close()
+        stop_agent(agent)
+        shutil.rmtree(state_dir, ignore_errors=True)
+
+
+def _emptied(client: Any) -> None:
+    """Whatever a test left on an agent of its own (a failed test leaves sandboxes and snapshots)."""
+    for sandbox in client.list():
+        with suppress(SandboxNotFound):
+            client.delete(sandbox.sandbox_id)
+    for snapshot in client.list_snapshots():
+        with suppress(SnapshotNotFound):
+            client.delete_snapshot(snapshot.snapshot_id)
+
+
+@pytest.fixture(scope="module")
+def diskless_agent():
+    with _agent("diskless", default_disk=None) as agent:
+        yield agent
+
+
+@pytest.fixture
+def diskless(diskless_agent):
+    """An agent whose sandboxes have no disk quota: their layers live on the host's disk."""
+    yield diskless_agent
+    _emptied(diskless_agent[0])
+
+
+@pytest.fixture(scope="module")
+def limited_agent():
+    with _agent("limited", max_snapshots=2, max_snapshot_bytes="48Mi") as agent:
+        yield agent
+
+
+@pytest.fixture
+def limited(limited_agent):
+    yield limited_agent
+    _emptied(limited_agent[0])
+
+
+Call = tuple[str, str, Optional[dict]]
+
+
+def _concurrently(agent: AgentSettings, calls: list[Call], lead: Optional[Call] = None) -> list[Any]:
+    """Send requests to the agent all at once (after ``lead``, given a head start): each
+    answer's body, or the typed error it raised."""
+    from orchard.backends.local.launcher import ensure_agent
+    from orchard.client.http import ApiClient
+
+    endpoint = ensure_agent(AgentSettings(**agent.model_dump()))
+
+    async def run() -> list[Any]:
+        api = ApiClient(endpoint.url, endpoint.token, retries=0, timeout=300)
+
+        async def one(method: str, path: str, body: Optional[dict]) -> Any:
+            try:
+                return await api.request(method, path, json_body=body)
+            except OrchardError as exc:
+                return exc
+
+        try:
+            first = asyncio.ensure_future(one(*lead)) if lead is not None else None
+            if first is not None:
+                await asyncio.sleep(0.5)
+            answers = await asyncio.gather(*(one(*call) for call in calls))
+            if first is not None:
+                await first
+            return answers
+        finally:
+            await api.close()
+
+    return asyncio.run(run())
+
+
+def _try_write(directory: int, name: str, data: bytes) -> Optional[int]:
+    """Write a file through a directory descriptor: None, or the errno that refused it."""
+    try:
+        fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644, dir_fd=directory)
+    except OSError as exc:
+        return exc.errno
+    try:
+        os.write(fd, data)
+    except OSError as exc:
+        return exc.errno
+    finally:
+        os.close(fd)
+    return None
 
 
 @pytest.fixture(scope="module")
@@ -196,3 +310,236 @@ def test_a_per_sandbox_token_cannot_take_snapshots(prepared, agent_settings):
     with pytest.raises(AuthenticationFailed):
         asyncio.run(call())
     assert _read(prepared, "cat /workspace/repo/src/a.txt") == "base\n"
+
+
+@pytest.mark.parametrize("agent", ["quota", "diskless"])
+def test_a_descriptor_kept_outside_the_sandbox_cannot_write_into_its_snapshot(request, agent, image, orchard_client):
+    """A process outside the sandbox holding a descriptor into its overlay from before the
+    snapshot (another sandbox on the host network namespace can be passed one over an
+    abstract unix socket; here the test, through /proc/<holder>/root) wrote on into the
+    frozen layer, and every fork saw it. The layer is sealed at the superblock (or copied)."""
+    client = orchard_client if agent == "quota" else request.getfixturevalue("diskless")[0]
+    with client.create(image) as source:
+        source.exec("mkdir -p /workspace/kept && echo original > /workspace/kept/data", check=True)
+        kept = os.open(f"/proc/{holder_pid(source)}/root/workspace/kept", os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            snapshot = source.snapshot()
+            refused = [_try_write(kept, "data", b"tampered\n"), _try_write(kept, "planted", b"planted\n")]
+        finally:
+            os.close(kept)
+        [fork] = client.fork(snapshot)
+        with fork:
+            assert _read(fork, "cat /workspace/kept/data; ls /workspace/kept") == "original\ndata\n"
+        assert _read(source, "cat /workspace/kept/data; ls /workspace/kept") == "original\ndata\n"
+    if agent == "quota":  # the layer's own tmpfs, remounted read-only: the writes failed
+        assert refused == [errno.EROFS, errno.EROFS]
+    # else copied: the writes failed or landed in the discarded original, which no fork sees
+    client.delete_snapshot(snapshot.snapshot_id)
+
+
+def test_a_file_held_open_for_writing_outside_gets_the_layer_copied_whole(orchard_client, prepared):
+    """The read-only remount is refused (EBUSY) while a file of the layer is open for
+    writing outside the sandbox: the layer is then copied, and the writer writes into the
+    discarded original. The copy keeps what an overlay layer means."""
+    prepared.exec("echo original > /workspace/data && ln -s /workspace/data /workspace/link && "
+                  "ln /workspace/data /workspace/hard && mkfifo /workspace/fifo && cp /bin/busybox /workspace/id && "
+                  "chmod 4755 /workspace/id && truncate -s 100M /workspace/sparse && chmod 600 /workspace/data",
+                  check=True)  # a sparse file: a copy that filled its holes would not fit its tmpfs
+    writer = os.open(f"/proc/{holder_pid(prepared)}/root/workspace/data", os.O_WRONLY)
+    try:
+        snapshot = prepared.snapshot()
+        with suppress(OSError):
+            os.pwrite(writer, b"tampered", 0)
+    finally:
+        os.close(writer)
+    [fork] = orchard_client.fork(snapshot)
+    with fork:
+        assert _read(fork, "cat /workspace/data /workspace/link /workspace/repo/src/a.txt") == \
+            "original\noriginal\nbase\n"
+        assert "No such file" in _read(fork, "ls /etc/os-release 2>&1"), "whiteouts are copied"
+        assert _read(fork, "ls /usr/share") == "fresh\n", "so is an opaque directory's mark"
+        assert _read(fork, "stat -c '%h %a %u' /workspace/data; stat -c %s /workspace/sparse; "
+                           "test -p /workspace/fifo && echo fifo") == "2 600 1000\n104857600\nfifo\n"
+        assert _read(fork, "/workspace/id -u") == "1000\n"
+    [upper] = (SNAPSHOTS / snapshot.snapshot_id).glob("*/upper")
+    assert os.statvfs(upper).f_flag & os.ST_RDONLY, "the copy is sealed too"
+
+
+def test_a_snapshot_directory_holds_no_mount_but_its_layer(orchard_client, prepared):
+    """The idmapped view of the image is a bind on the same filesystem, which
+    os.path.ismount does not see: it stayed mounted inside every snapshot directory."""
+    first = prepared.snapshot()
+    [fork] = orchard_client.fork(first)
+    with fork:
+        second = fork.snapshot()
+    for snapshot in (first, second):
+        directory = SNAPSHOTS / snapshot.snapshot_id
+        assert mounts_below(directory) == [directory / "layer"]
+
+
+def test_snapshots_count_against_max_snapshot_bytes_and_a_refusal_changes_nothing(limited, image):
+    """Snapshot layers stay in memory outside every sandbox's limit: their sum is bounded,
+    checked before anything is frozen."""
+    client, _ = limited
+    with client.create(image) as sandbox:
+        sandbox.exec("dd if=/dev/zero of=/workspace/first bs=1M count=32 2>/dev/null", check=True)
+        first = sandbox.snapshot()
+        assert first.size_bytes >= 32 << 20
+        sandbox.exec("dd if=/dev/zero of=/workspace/second bs=1M count=32 2>/dev/null", check=True)
+        sandbox.exec("sleep 1000 >/dev/null 2>&1 &", check=True)
+        with pytest.raises(QuotaExceeded, match="max_snapshot_bytes"):
+            sandbox.snapshot()
+        assert "sleep 1000" in _read(sandbox, "ps -o args"), "a refusal stops nothing"
+        assert _read(sandbox, "ls /workspace") == "first\nsecond\n"
+
+
+def test_max_snapshots_holds_for_requests_arriving_together(limited, image):
+    client, agent = limited
+    sandboxes = [client.create(image) for _ in range(4)]
+    answers = _concurrently(agent, [("POST", f"/sandboxes/{s.id}/snapshot", {}) for s in sandboxes])
+    assert sorted(type(a).__name__ for a in answers) == ["QuotaExceeded", "QuotaExceeded", "dict", "dict"], answers
+    assert len(client.list_snapshots()) == 2
+    for sandbox in sandboxes:
+        sandbox.exec("true", check=True)
+
+
+def test_max_layers_holds_for_snapshots_of_one_sandbox_arriving_together(orchard_client, agent_settings, image):
+    taken = []
+    try:
+        with orchard_client.create(image) as deep:
+            for _ in range(MAX_LAYERS - 2):
+                taken.append(deep.snapshot().snapshot_id)
+            busy = ("POST", f"/sandboxes/{deep.id}/exec", {"command": "sleep 2", "wait": True})  # holds the lock
+            answers = _concurrently(agent_settings, [("POST", f"/sandboxes/{deep.id}/snapshot", {})] * 3, lead=busy)
+            taken += [a["snapshot_id"] for a in answers if isinstance(a, dict)]
+            assert sorted(type(a).__name__ for a in answers) == ["QuotaExceeded", "dict", "dict"], answers
+            deep.exec("true", check=True)
+            parents = {s.snapshot_id: s.parent for s in orchard_client.list_snapshots()}
+            depth, current = 0, taken[-1]
+            while current is not None:
+                depth, current = depth + 1, parents[current]
+            assert depth == MAX_LAYERS
+    finally:
+        for snapshot_id in taken:
+            orchard_client.delete_snapshot(snapshot_id)
+
+
+def test_one_snapshot_id_asked_of_two_sandboxes_at_once(orchard_client, agent_settings, image):
+    """The second asker got HTTP 500 and its sandbox was lost; now it is a conflict, and
+    nothing of it was frozen."""
+    with orchard_client.create(image) as first, orchard_client.create(image) as second:
+        answers = _concurrently(agent_settings, [("POST", f"/sandboxes/{s.id}/snapshot", {"snapshot_id": "snap-twice"})
+                                                 for s in (first, second)])
+        assert sorted(type(a).__name__ for a in answers) == ["SandboxConflict", "dict"], answers
+        for sandbox in (first, second):
+            sandbox.exec("true", check=True)
+    orchard_client.delete_snapshot("snap-twice")
+
+
+def test_a_snapshot_whose_forks_could_not_mount_is_refused_before_freezing(image):
+    """With a long state directory and the longest sandbox ids the overlay's options (one
+    path per layer) outgrow a page before MAX_LAYERS: the restart after the freeze failed
+    and the sandbox was lost. Now the snapshot is refused first, the sandbox untouched."""
+    state_dir = f"/tmp/orchard-snap-long-{os.getpid()}-"
+    with _agent(state_dir + "x" * (63 - len(state_dir))) as (client, _):
+        taken = []
+        with client.create(image, sandbox_id="s" * 63) as sandbox:
+            sandbox.exec("echo kept > /workspace/kept", check=True)
+            with pytest.raises(QuotaExceeded, match="mount options"):
+                for _ in range(MAX_LAYERS):
+                    taken.append(sandbox.snapshot().snapshot_id)
+            assert 20 <= len(taken) < MAX_LAYERS - 1
+            assert _read(sandbox, "cat /workspace/kept") == "kept\n"
+            [fork] = client.fork(taken[-1], sandbox_id="f" * 63)  # the deepest snapshot taken still forks
+            with fork:
+                assert _read(fork, "cat /workspace/kept") == "kept\n"
+        for snapshot_id in taken:
+            client.delete_snapshot(snapshot_id)
+
+
+def test_deep_trees_on_the_host_disk_are_snapshotted_and_removed(diskless, image):
+    """With no disk quota the layers live on the host's disk, where removing a tree 1500
+    directories deep recursed past Python's limit: HTTP 500s and sandboxes stuck."""
+    client, agent = diskless
+    with client.create(image) as sandbox:
+        sandbox.exec(DEEP_TREE, check=True, timeout=120)
+        snapshot = sandbox.snapshot()
+        sandbox.exec(DEEP_TREE.replace("d/", "e/"), check=True, timeout=120)  # its own layer, removed on delete
+        [fork] = client.fork(snapshot)
+        with fork:
+            assert _read(fork, "cd /workspace/$(printf 'd/%.0s' $(seq 1500)) && echo there") == "there\n"
+    client.delete_snapshot(snapshot.snapshot_id)
+    assert client.list() == [] and client.list_snapshots() == []
+    assert os.listdir(agent.state_dir / "snapshots") == [] and os.listdir(agent.sandboxes_dir) == []
+
+
+def test_a_diskless_sandbox_too_deep_to_hand_over_is_refused_untouched(diskless, image):
+    """The refusal's clean-up recursed past Python's limit and left the sandbox restarting
+    for ever; a layer on the host's disk is now measured before anything is stopped."""
+    client, agent = diskless
+    with client.create(image) as deep:
+        deep.exec(TOO_DEEP_TO_HAND_OVER, check=True, timeout=120)
+        with pytest.raises(QuotaExceeded, match="deeper than"):
+            deep.snapshot("snap-deep")
+        deep.exec("test -d /workspace/x1", check=True)
+    assert client.list() == [] and client.list_snapshots() == []
+    assert os.listdir(agent.state_dir / "snapshots") == [] and os.listdir(agent.sandboxes_dir) == []
+
+
+def test_ids_that_are_no_url_segment_never_address_another_snapshot(orchard_client, prepared):
+    """'snap-x#frag' reached the agent as /snapshots/snap-x (the rest a URL fragment) and
+    deleted snap-x."""
+    prepared.snapshot("snap-x")
+    for wrong in ("snap-x#frag", "snap-x?y", ".."):
+        with pytest.raises((InvalidRequest, SnapshotNotFound)):
+            orchard_client.delete_snapshot(wrong)
+    assert "snap-x" in {s.snapshot_id for s in orchard_client.list_snapshots()}
+    orchard_client.delete_snapshot("snap-x")
+
+
+def test_file_calls_queued_behind_a_snapshot_wait_for_it_or_say_why(image, agent_settings, orchard_client):
+    """File calls waiting for one of the sandbox's slots while a snapshot stopped it ran
+    against the old holder and answered 503; now they re-check the sandbox first."""
+    from orchard.backends.local.launcher import ensure_agent
+
+    endpoint = ensure_agent(AgentSettings(**agent_settings.model_dump()))
+    path = endpoint.url.removeprefix("unix://")
+
+    def send(request: str) -> socket.socket:
+        connection = socket.socket(socket.AF_UNIX)
+        connection.connect(path)
+        connection.sendall(request.encode())
+        return connection
+
+    def answer(connection: socket.socket) -> str:
+        data = b""
+        while chunk := connection.recv(65536):
+            data += chunk
+        connection.close()
+        return data.split(b"\r\n", 1)[0].decode()
+
+    headers = f"Host: agent\r\nX-API-Key: {endpoint.token}\r\n"
+    with orchard_client.create(image) as sandbox:
+        sandbox.exec("mkdir /workspace/many && cd /workspace/many && seq 30000 | xargs touch", check=True, timeout=120)
+        holder = holder_pid(sandbox)
+        uploads = [send(f"PUT /sandboxes/{sandbox.id}/files/raw?path=/workspace/up{n} HTTP/1.1\r\n{headers}"
+                        "Content-Type: application/octet-stream\r\nContent-Length: 100000000\r\n\r\n" + "x" * 1000)
+                   for n in range(FILE_CALLS_PER_SANDBOX)]  # every slot of the sandbox taken
+        time.sleep(1)
+        queued = [send(f"GET /sandboxes/{sandbox.id}/files/list?path=/workspace HTTP/1.1\r\n{headers}"
+                       "Connection: close\r\n\r\n") for _ in range(6)]
+        time.sleep(0.5)
+        snapshot = send(f"POST /sandboxes/{sandbox.id}/snapshot HTTP/1.1\r\n{headers}Content-Length: 0\r\n"
+                        "Connection: close\r\n\r\n")
+        deadline = time.monotonic() + 30
+        while os.path.exists(f"/proc/{holder}") and time.monotonic() < deadline:
+            time.sleep(0.001)
+        for upload in uploads:  # the slots free up while the snapshot is under way
+            upload.close()
+        statuses = [answer(connection) for connection in queued]
+        assert answer(snapshot).split()[1] == "200"
+        assert all(status.split()[1] in ("200", "409") for status in statuses), statuses
+        sandbox.exec("true", check=True)
+    for taken in orchard_client.list_snapshots():
+        if taken.sandbox_id == sandbox.id:
+            orchard_client.delete_snapshot(taken.snapshot_id)

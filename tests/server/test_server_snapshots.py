@@ -78,3 +78,19 @@ def test_snapshot_errors_are_4xx_naming_the_problem(served):
         for sandbox_id in (host, source):
             http.delete(f"/sandboxes/{sandbox_id}")
         http.delete("/snapshots/snap-mismatch")
+
+
+def test_snapshot_ids_in_urls_are_checked_like_ids_in_bodies(served):
+    """DELETE /snapshots/snapx%23frag deleted snapx (the server forwarded '#frag' as a URL
+    fragment); GET /snapshots/%2e%2e answered 500."""
+    server, image = served
+    with server.http() as http:
+        source = http.post("/sandboxes", json={"image": image}).json()["sandbox_id"]
+        assert http.post(f"/sandboxes/{source}/snapshot", json={"snapshot_id": "snapx"}).status_code == 200
+        for method, path in [("DELETE", "/snapshots/snapx%23frag"), ("GET", "/snapshots/snapx%3Fz"),
+                             ("GET", "/snapshots/%2e%2e"), ("DELETE", "/snapshots/%2e%2e")]:
+            answer = http.request(method, path)
+            assert answer.status_code == 422 and "snapshot_id" in answer.text, (method, path, answer.text)
+        assert http.get("/snapshots/snapx").status_code == 200
+        http.delete(f"/sandboxes/{source}")
+        assert http.delete("/snapshots/snapx").status_code == 200

@@ -33,6 +33,30 @@ def writable_root(sandbox: SandboxState, image: ResolvedImage, disk: Optional[in
         raise ImageRejected(f"cannot build the writable layer of {image.reference}: {exc}") from None
 
 
+MOUNT_OPTIONS_MAX = 4095  # mount(2) copies one page of options, its last byte a NUL
+LONGEST_SANDBOX_ID = 63  # models.SANDBOX_ID_PATTERN
+
+
+def overlay_options(directory: Path, lowers: Sequence[Path]) -> str:
+    """The overlay's mount options for a sandbox whose files live in ``directory``."""
+    layer = directory / "layer"
+    return f"lowerdir={':'.join(map(str, lowers))},upperdir={layer / 'upper'},workdir={layer / 'work'}"
+
+
+def view_paths(directory: Path, layers: int) -> list[Path]:
+    """Where a sandbox in ``directory`` sees its ``layers`` snapshot layers (``l0`` the
+    newest) and its image (``i``) through idmapped mounts: short names, so the overlay's
+    options fit in a page with many layers."""
+    return [directory / f"l{n}" for n in range(layers)] + [directory / "i"]
+
+
+def fork_options_length(sandboxes_dir: Path, layers: int) -> int:
+    """The length of the overlay options of a sandbox with ``layers`` snapshot layers and
+    the longest id (the worst case a snapshot must leave room for)."""
+    directory = sandboxes_dir / ("x" * LONGEST_SANDBOX_ID)
+    return len(overlay_options(directory, view_paths(directory, layers)))
+
+
 def overlay_root(lower: Path, directory: Path, owner: tuple[int, int], disk: Optional[int],
                  mounts: list[Path], lower_owner: Optional[tuple[int, int]] = None,
                  base: Sequence[Path] = ()) -> Path:
@@ -40,30 +64,34 @@ def overlay_root(lower: Path, directory: Path, owner: tuple[int, int], disk: Opt
     first) over ``lower`` whose upper layer lives in ``directory/layer`` (a tmpfs of
     ``disk`` bytes when given), owned by ``owner``. When the lower layers belong to
     ``lower_owner``, another id, the overlay sees them through idmapped mounts
-    (``directory/image``, ``directory/base-N``) that show them owned by ``owner``. Each
-    mount is put at the front of ``mounts`` as it is made, so a failure part-way still
-    leaves the caller the list to undo."""
+    (``view_paths``) that show them owned by ``owner``. Each mount is put at the front of
+    ``mounts`` as it is made (every view: a bind on the same filesystem is no mount point
+    to ``os.path.ismount``; unmounting one never made is harmless), so a failure part-way
+    still leaves the caller the list to undo."""
     layer, root = directory / "layer", directory / "root"
     layer.mkdir()
     root.mkdir()
     lowers = [*base, lower]
     if lower_owner is not None and lower_owner != owner:
-        views = [directory / f"base-{n}" for n in range(len(base))] + [directory / "image"]
+        views = view_paths(directory, len(base))
         for view in views:
             view.mkdir()
         try:
             idmapped_views(list(zip(lowers, views)), lower_owner, owner)
         finally:
-            mounts[:0] = [view for view in reversed(views) if os.path.ismount(view)]
+            mounts[:0] = list(reversed(views))
         lowers = views
+    options = overlay_options(directory, lowers)
+    if len(options) > MOUNT_OPTIONS_MAX:
+        raise OSError(f"the overlay's mount options take {len(options)} bytes, more than a page: too many "
+                      "snapshot layers for this state_dir")
     if disk:
         mount("tmpfs", layer, "tmpfs", f"size={disk},mode=0700,uid={owner[0]},gid={owner[1]}")
         mounts.insert(0, layer)
     for sub in ("upper", "work"):
         (layer / sub).mkdir()
         os.chown(layer / sub, *owner)
-    lowerdir = ":".join(str(path) for path in lowers)
-    mount("overlay", root, "overlay", f"lowerdir={lowerdir},upperdir={layer / 'upper'},workdir={layer / 'work'}")
+    mount("overlay", root, "overlay", options)
     mounts.insert(0, root)
     os.chown(root, *owner)
     return root
