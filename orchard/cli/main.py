@@ -16,6 +16,7 @@ from orchard.cli.quickstart import quickstart
 from orchard.cli.serve import serve
 from orchard.cli.tasks import tasks
 from orchard.cli.eval import evaluate
+from orchard.cli.pipeline import pipeline
 
 
 @click.group(cls=PluginGroup, context_settings={"help_option_names": ["-h", "--help"]})
@@ -56,6 +57,7 @@ cli.add_command(credit)
 cli.add_command(train)
 cli.add_command(tasks)
 cli.add_command(evaluate)
+cli.add_command(pipeline)
 
 
 def main() -> None:

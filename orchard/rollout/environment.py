@@ -43,6 +43,7 @@ class PreparedTask:
         self.sandbox_spec = sandbox_spec  # cpu, memory, disk, block_network, labels... for every sandbox
         self.snapshot: Optional[Snapshot] = None
         self.forks = False  # False: each sandbox is a fresh one plus the setup
+        self.grades: dict[str, "asyncio.Future[Any]"] = {}  # applied diff's digest -> its grading (deterministic tests)
         self._lock = asyncio.Lock()
         self._ready = False
 

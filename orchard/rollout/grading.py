@@ -1,7 +1,8 @@
 """Grading a model cannot tamper with.
 
 The reward never reads anything the model could have written in its rollout sandbox but
-its diff: ``git diff`` of the repository there is taken as untrusted text, stripped of every
+its diff (a diff graded once for a task is not graded again: tests are taken as
+deterministic, as every grader does): ``git diff`` of the repository there is taken as untrusted text, stripped of every
 file the task protects (tests, test configuration, ``.git``), and applied to a *fresh* fork
 of the task's starting state, where the task's test patch is applied and its tests run.
 Deleting or editing the tests, planting a fake ``pytest`` or a "passed" marker, killing
@@ -13,9 +14,12 @@ runner's own summary check (see ``orchard.tasks.parsers``).
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
 import secrets
 import sys
 import time
+from dataclasses import replace
 from pathlib import PurePosixPath
 
 from orchard.client.aio import AsyncSandbox
@@ -83,6 +87,24 @@ async def grade(prepared: PreparedTask, diff: str) -> Grade:
     kept, dropped = drop_protected(diff, task.protected_paths)
     kept, shadowing = drop_shadowing(kept)
     dropped += shadowing
+    digest = hashlib.sha256(kept.encode()).hexdigest()
+    known = prepared.grades.get(digest)  # the same change from the same starting state: the same verdict
+    if known is None:
+        known = prepared.grades[digest] = asyncio.ensure_future(_graded(prepared, kept, start))
+        first = True
+    else:
+        first = False
+    try:
+        result = await asyncio.shield(known)
+    except BaseException:
+        if known.done() and prepared.grades.get(digest) is known:
+            del prepared.grades[digest]  # an environment failure is not a verdict: grade again next time
+        raise
+    return replace(result, dropped_paths=dropped, **({} if first else {"seconds": 0.0, "cached": True}))
+
+
+async def _graded(prepared: PreparedTask, kept: str, start: float) -> Grade:
+    task = prepared.task
     sandbox = await prepared.sandbox()
     try:
         for name, patch in (("agent", kept), ("test", task.test_patch)):
@@ -93,7 +115,7 @@ async def grade(prepared: PreparedTask, diff: str) -> Grade:
             applied = await sandbox.exec(f"{SAFE_GIT} apply --whitespace=nowarn {path}", cwd=task.workdir,
                                          timeout=task.command_timeout_seconds)
             if not applied.ok:
-                return Grade(False, f"the {name} diff does not apply: {applied.stderr[-500:]}", dropped_paths=dropped,
+                return Grade(False, f"the {name} diff does not apply: {applied.stderr[-500:]}",
                              seconds=time.perf_counter() - start)
         outputs, codes = [], []
         for command in task.test_commands:
@@ -101,7 +123,6 @@ async def grade(prepared: PreparedTask, diff: str) -> Grade:
             outputs.append(job.stdout + job.stderr)
             codes.append(job.exit_code if job.exit_code is not None else -1)
         resolved, details = tests_passed(task, outputs, codes)
-        return Grade(resolved, details["reason"], tests=details["results"], dropped_paths=dropped,
-                     seconds=time.perf_counter() - start)
+        return Grade(resolved, details["reason"], tests=details["results"], seconds=time.perf_counter() - start)
     finally:
         await sandbox.delete()

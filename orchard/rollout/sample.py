@@ -45,6 +45,7 @@ class Grade:
     tests: dict[str, str] = field(default_factory=dict)  # test id -> PASSED | FAILED | ...
     dropped_paths: list[str] = field(default_factory=list)  # protected files the diff touched (not applied)
     seconds: float = 0.0
+    cached: bool = False  # the same change was graded before for this task
 
 
 @dataclass

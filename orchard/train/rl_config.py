@@ -9,7 +9,7 @@ from typing import Literal
 from orchard.train.bar import Band, BARConfig
 from orchard.train.grpo import GRPOLossConfig
 
-GroupSampler = Literal["bar", "fixed"]
+GroupSampler = Literal["bar", "fixed", "dapo"]
 
 
 @dataclass
@@ -18,7 +18,9 @@ class RLConfig:
     steps: int = field(default=150, metadata={"help": "optimizer steps (the original: up to 150)"})
     tasks_per_step: int = field(default=16, metadata={"help": "prompts (tasks) per step: the rollout batch"})
     sampler: GroupSampler = field(default="bar", metadata={
-        "help": "bar: BAR's balanced groups; fixed: G rollouts per task, all kept (the fixed-G baseline)"})
+        "help": "bar: BAR's balanced groups; fixed: G rollouts per task, all kept (the fixed-G baseline); "
+                "dapo: G per task, groups without both outcomes dropped and replaced by new tasks"})
+    dapo_max_batches: int = field(default=3, metadata={"help": "dapo: at most this many batches of tasks a step"})
     group_size: int = field(default=8, metadata={"help": "G: samples per task in a training group"})
     max_rollouts: int = field(default=32, metadata={"help": "BAR's N_max: rollout budget per task and step"})
     stride: int = field(default=8, metadata={"help": "BAR's rollouts per stride (run concurrently)"})
@@ -41,8 +43,8 @@ class RLConfig:
             self.loss = GRPOLossConfig(**self.loss)
         if min(self.steps, self.tasks_per_step, self.group_size, self.micro_batch_size, self.inner_epochs) < 1:
             raise ValueError("steps, tasks_per_step, group_size, micro_batch_size and inner_epochs must be >= 1")
-        if self.sampler not in ("bar", "fixed"):
-            raise ValueError(f"sampler must be bar or fixed, not {self.sampler!r}")
+        if self.sampler not in ("bar", "fixed", "dapo"):
+            raise ValueError(f"sampler must be bar, fixed or dapo, not {self.sampler!r}")
         self.bar()  # checks the band and the budget
 
     def bar(self) -> BARConfig:

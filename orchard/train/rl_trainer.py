@@ -3,7 +3,8 @@
 Each step takes ``tasks_per_step`` tasks from the loader; for each, BAR draws rollouts from
 the rollout engine (forks of the task's prepared state) stride by stride until a group of
 G with a balanced share of successes can be chosen (``sampler: fixed`` keeps the first G
-instead). Rollouts the environment broke (aborted, timed out) never enter a group while
+instead; ``sampler: dapo`` draws G per task and more tasks until enough groups hold both a
+success and a failure, DAPO's dynamic sampling). Rollouts the environment broke (aborted, timed out) never enter a group while
 valid ones can replace them; they are counted in the metrics. Group-relative advantages,
 then ``inner_epochs`` passes of the GRPO loss over the step's samples in micro-batches
 (normalized over the whole step, so accumulation is exact), truncated importance sampling
@@ -84,8 +85,7 @@ class RLTrainer:
     async def _select(self, task: Task) -> Selection:
         generate = self.engine.generator(task)
         if self.config.sampler == "fixed":
-            pool = await generate(self.config.group_size)
-            return Selection(pool, len(pool), 1, None, self.config.bar().band, pool)
+            return await self._fixed(task)
         if self.band is not None:
             return await self.band.sample(task.task_id, generate)
         return await bar_sample(generate, self.config.bar())
@@ -109,10 +109,33 @@ class RLTrainer:
             self.plot()
         return records
 
+    async def _dapo_groups(self) -> list[Selection]:
+        """DAPO's dynamic sampling: G rollouts per task, groups without both a success and a
+        failure dropped, more tasks drawn until ``tasks_per_step`` groups carry a signal (at
+        most ``dapo_max_batches`` batches). Dropped groups are counted as spent."""
+        spent: list[Selection] = []
+        for _ in range(self.config.dapo_max_batches):
+            tasks = self.loader.next(self.config.tasks_per_step)
+            spent += await asyncio.gather(*(self._fixed(task) for task in tasks))
+            if sum(group.informative for group in spent) >= self.config.tasks_per_step:
+                break
+        chosen = {id(group) for group in [g for g in spent if g.informative][:self.config.tasks_per_step]}
+        for group in spent:
+            if id(group) not in chosen:
+                group.group = []  # drawn and paid for, not trained on
+        return spent
+
+    async def _fixed(self, task: Task) -> Selection:
+        pool = await self.engine.generator(task)(self.config.group_size)
+        return Selection(pool, len(pool), 1, None, self.config.bar().band, pool)
+
     async def train_step(self) -> dict:
         started = time.perf_counter()
-        tasks = self.loader.next(self.config.tasks_per_step)
-        selections = list(await asyncio.gather(*(self._select(task) for task in tasks)))
+        if self.config.sampler == "dapo":
+            selections = await self._dapo_groups()
+        else:
+            tasks = self.loader.next(self.config.tasks_per_step)
+            selections = list(await asyncio.gather(*(self._select(task) for task in tasks)))
         rollout_seconds = time.perf_counter() - started
         samples, advantages = self._training_samples(selections)
         began = time.perf_counter()
@@ -188,7 +211,7 @@ class RLTrainer:
             "success_rate": sum(s.resolved for s in valid) / len(valid) if valid else None,
             "rollouts": len(pool), "rollouts_per_task": len(pool) / max(len(selections), 1),
             "fallback_rate": sum(s.fallback is not None for s in selections) / max(len(selections), 1),
-            "informative_groups": sum(s.informative for s in selections),
+            "informative_groups": sum(s.informative for s in selections if s.group),
             "sandbox_errors": sum(s.status.value == "aborted" for s in pool),
             "timed_out": sum(s.status.value == "timed_out" for s in pool),
             "rollout_seconds": round(rollout_seconds, 3), "train_seconds": round(train_seconds, 3), **stats,

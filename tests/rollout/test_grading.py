@@ -122,3 +122,28 @@ def test_a_task_whose_setup_fails_aborts_its_rollouts(orchard_backend_settings, 
 
     sample = asyncio.run(main())
     assert sample.status == RolloutStatus.ABORTED and sample.reward is None and "setup" in sample.error
+
+
+def test_the_same_change_is_graded_once_per_task(orchard_backend_settings, tasks):
+    task = tasks[3]
+
+    async def main():
+        async with AsyncClient(backend_settings=orchard_backend_settings["local"]) as client:
+            async with PreparedTask(client, task) as prepared:
+                made = []
+                original = prepared.sandbox
+
+                async def counted(**spec):
+                    made.append(1)
+                    return await original(**spec)
+
+                prepared.sandbox = counted
+                both = await asyncio.gather(grade(prepared, task.reference_patch), grade(prepared, task.reference_patch))
+                again = await grade(prepared, task.reference_patch)
+                other = await grade(prepared, "")
+                return both, again, other, len(made)
+
+    both, again, other, made = asyncio.run(main())
+    assert all(g.resolved for g in [*both, again]) and not other.resolved
+    assert [g.cached for g in both] == [False, True] and again.cached and again.seconds == 0.0
+    assert made == 2, "one grading sandbox per distinct change, even for concurrent requests"

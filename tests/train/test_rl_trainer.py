@@ -67,6 +67,15 @@ def test_a_step_trains_on_balanced_groups_and_logs_metrics(orchard_backend_setti
     assert (tmp_path / "checkpoint-2" / "state.pt").exists() and (tmp_path / "training.png").exists()
 
 
+def test_dapo_trains_only_on_groups_with_both_outcomes(orchard_backend_settings, tasks, tmp_path):
+    config = RLConfig(output_dir=tmp_path, steps=1, tasks_per_step=2, group_size=2, sampler="dapo",
+                      dapo_max_batches=3, learning_rate=1e-3)
+    trainer, [record] = _run(orchard_backend_settings, tasks, config,
+                             NoisyOraclePolicy(tasks, 0.5, seed=5, tokenized=True), steps=1)
+    assert record["tasks"] in (2, 4, 6) and record["rollouts"] == 2 * record["tasks"], "G per task drawn, all paid"
+    assert record["samples"] == 2 * record["informative_groups"] <= 4, "only groups with a success and a failure"
+
+
 def test_a_sandbox_killed_mid_training_is_counted_and_replaced(orchard_backend_settings, tasks, tmp_path,
                                                                monkeypatch):
     """Every other rollout's sandbox is killed from the host as its episode starts (as a

@@ -1,0 +1,65 @@
+"""The pipeline's report: report.json, report.md and report.png (held-out success per stage
+with 95% intervals, and the RL run's success rate per step)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+STAGES = ("base", "sft", "sft+rl")
+
+
+def markdown(report: dict[str, Any]) -> str:
+    results, stages = report["results"], report["stages"]
+    lines = ["# orchard pipeline", "", "Held-out success (pass@1 at the sampling temperature, Wilson 95% interval):", "",
+             "| model | pass rate | 95% interval | attempts | by difficulty |", "|---|---|---|---|---|"]
+    for name in STAGES:
+        r = results[name]
+        levels = ", ".join(f"{k} {v:.2f}" for k, v in r["by_difficulty"].items())
+        lines.append(f"| {name} | {r['pass_rate']:.3f} | {r['pass_rate_95'][0]:.3f}-{r['pass_rate_95'][1]:.3f} | "
+                     f"{r['attempts']} | {levels} |")
+    lines += ["", "## Stages", ""]
+    for name, facts in stages.items():
+        lines.append(f"- **{name}**: " + ", ".join(f"{k} {v}" for k, v in facts.items()))
+    base = stages.get("base model", {})
+    if base.get("built_here"):
+        lines += ["", "The base model is a small transformer this run built and pre-trained on random-choice "
+                      "conversations of the training tasks (no pretrained weights can be downloaded here); "
+                      "its held-out success is about chance by construction."]
+    credit = stages.get("credit assignment", {})
+    if credit:
+        lines += ["", f"Values for credit assignment: {credit.get('values')}."]
+    return "\n".join(lines) + "\n"
+
+
+def plot(report: dict[str, Any], out_dir: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    results = report["results"]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8))
+    rates = [results[s]["pass_rate"] for s in STAGES]
+    errors = [[r - results[s]["pass_rate_95"][0] for s, r in zip(STAGES, rates)],
+              [results[s]["pass_rate_95"][1] - r for s, r in zip(STAGES, rates)]]
+    left.bar(STAGES, rates, yerr=errors, capsize=6, color=["#999999", "#6a9fd8", "#2e7d32"])
+    left.set_ylim(0, 1)
+    left.set_ylabel("held-out success")
+    metrics = out_dir / "rl" / "metrics.jsonl"
+    if metrics.exists():
+        records = [json.loads(line) for line in metrics.read_text().splitlines()]
+        right.plot([r["step"] for r in records], [r["success_rate"] for r in records], marker="o")
+        right.set_ylim(0, 1)
+    right.set_xlabel("RL step")
+    right.set_ylabel("training success rate")
+    fig.tight_layout()
+    fig.savefig(out_dir / "report.png", dpi=100)
+    plt.close(fig)
+
+
+def write_report(report: dict[str, Any], out_dir: Path) -> None:
+    (out_dir / "report.json").write_text(json.dumps(report, indent=2, default=str))
+    (out_dir / "report.md").write_text(markdown(report))
+    plot(report, out_dir)

@@ -1,0 +1,263 @@
+"""The recipe end to end: base model, expert trajectories, credit-assignment SFT, BAR+GRPO,
+and success on held-out tasks after each stage (``orchard pipeline``).
+
+Stages, each writing into ``output_dir``: tasks (generated suite as choice tasks, train and
+held-out splits), base model (built and pre-trained here unless ``base_model`` names a
+checkpoint), expert trajectories (a scripted noisy expert in sandboxes), credit assignment
+(ground-truth values, named as such, unless a teacher endpoint is configured), SFT, RL, and
+an evaluation of base, SFT and SFT+RL on the held-out split. Every sandbox comes from the
+backend in the config; the report (JSON, Markdown, PNG) says what ran.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from orchard.pipeline.model import BaseModelConfig
+
+SYSTEM = "You fix bugs in a git repository. Reply with one ```bash block per turn; a block holding only submit ends."
+
+
+@dataclass
+class PipelineConfig:
+    output_dir: Path = field(metadata={"help": "everything the run writes"})
+    seed: int = field(default=0, metadata={"help": "tasks, model initialization, expert and sampling"})
+    backend: dict = field(default_factory=lambda: {"name": "local"}, metadata={"help": "{name, settings}"})
+    image: Optional[str] = field(default=None, metadata={"help": "image with python3 and git (default: built here)"})
+    tasks: int = field(default=400, metadata={"help": "generated tasks (train + held-out)"})
+    heldout_fraction: float = field(default=0.25, metadata={"help": "share of held-out variants"})
+    candidates: int = field(default=6, metadata={"help": "candidate fixes per task (chance = 1/this)"})
+    base_model: Optional[str] = field(default=None, metadata={"help": "a Hugging Face checkpoint instead of the "
+                                                                     "small model built here"})
+    model: BaseModelConfig = field(default_factory=BaseModelConfig)
+    expert_attempts: int = field(default=1, metadata={"help": "expert trajectories per training task"})
+    expert: dict = field(default_factory=lambda: {"p_correct": 0.5, "p_recover": 0.5, "p_undo": 0.25})
+    teacher: Optional[dict] = field(default=None, metadata={"help": "{base_url, model}: an LLM teacher for V(t) "
+                                                                   "(default: ground-truth values)"})
+    sft_data: str = field(default="credit", metadata={"help": "credit (ascending segments) | resolved (ablation)"})
+    sft: dict = field(default_factory=lambda: {"epochs": 4, "learning_rate": 1e-3, "min_learning_rate": 1e-4,
+                                               "global_batch_size": 8, "micro_batch_size": 8})
+    rl: dict = field(default_factory=lambda: {"steps": 12, "tasks_per_step": 8, "group_size": 4, "max_rollouts": 8,
+                                              "stride": 4, "learning_rate": 3e-4, "micro_batch_size": 8})
+    rollout: dict = field(default_factory=lambda: {"max_turns": 5, "max_tokens_per_turn": 48,
+                                                   "max_total_tokens": 1024, "time_limit_seconds": 120})
+    eval_attempts: int = field(default=2, metadata={"help": "attempts per held-out task and model"})
+    temperature: float = field(default=1.0, metadata={"help": "sampling temperature (training and evaluation)"})
+    concurrency: int = field(default=16, metadata={"help": "rollout sandboxes at once"})
+
+    def __post_init__(self) -> None:
+        self.output_dir = Path(self.output_dir)
+        if isinstance(self.model, dict):
+            self.model = BaseModelConfig(**self.model)
+        if self.sft_data not in ("credit", "resolved"):
+            raise ValueError(f"sft_data must be credit or resolved, not {self.sft_data!r}")
+
+
+QUICK = {"tasks": 160, "model": {"pretrain_steps": 100}, "expert_attempts": 1, "eval_attempts": 1,
+         "sft": {"epochs": 4, "learning_rate": 1e-3, "min_learning_rate": 1e-4, "global_batch_size": 8,
+                 "micro_batch_size": 8},
+         "rl": {"steps": 4, "tasks_per_step": 6, "group_size": 4, "max_rollouts": 8, "stride": 4,
+                "learning_rate": 3e-4, "micro_batch_size": 8}}
+
+
+class Pipeline:
+    def __init__(self, config: PipelineConfig, progress: bool = True) -> None:
+        self.config, self.progress = config, progress
+        self.report: dict[str, Any] = {"config": json.loads(json.dumps(asdict(config), default=str)), "stages": {}}
+        config.output_dir.mkdir(parents=True, exist_ok=True)
+
+    def _stage(self, name: str, started: float, **facts: Any) -> None:
+        self.report["stages"][name] = {"seconds": round(time.perf_counter() - started, 1), **facts}
+        if self.progress:
+            from orchard.cli.common import out
+
+            out.print(f"[green]{name}[/green] {self.report['stages'][name]}")
+
+    async def run(self) -> dict[str, Any]:
+        from orchard.client.aio import AsyncClient
+
+        config = self.config
+        random.seed(config.seed)
+        backend = config.backend
+        async with AsyncClient(backend=backend.get("name", "local"), backend_settings=backend.get("settings")) as client:
+            self.client = client
+            train, heldout = self.make_tasks()
+            model, tokenizer = self.base_model(train)
+            results = {"base": await self.evaluate("base", model, tokenizer, heldout)}
+            trajectories = await self.expert_trajectories(train)
+            examples = await self.credit(trajectories, train)
+            self.sft(model, tokenizer, examples)
+            results["sft"] = await self.evaluate("sft", model, tokenizer, heldout)
+            await self.rl(model, tokenizer, train)
+            results["sft+rl"] = await self.evaluate("sft+rl", model, tokenizer, heldout)
+        self.report["results"] = results
+        from orchard.pipeline.report import write_report
+
+        write_report(self.report, config.output_dir)
+        return self.report
+
+    # -- stages ------------------------------------------------------------------------
+    def make_tasks(self) -> tuple[list, list]:
+        from orchard.pipeline.choice import choice_suite
+        from orchard.tasks import save_tasks
+        from orchard.tasks.generated import generate_suite
+
+        started = time.perf_counter()
+        config = self.config
+        image = config.image or str(_default_image())
+        suite = choice_suite(generate_suite(config.tasks, config.seed, image, config.heldout_fraction),
+                             config.candidates, config.seed)
+        save_tasks(suite, config.output_dir / "tasks.jsonl")
+        train = [t for t in suite if t.split == "train"]
+        heldout = [t for t in suite if t.split != "train"]
+        self._stage("tasks", started, train=len(train), heldout=len(heldout), image=image,
+                    families=sorted({t.tags[0] for t in suite if t.tags}))
+        return train, heldout
+
+    def base_model(self, train: list) -> tuple[Any, Any]:
+        started = time.perf_counter()
+        config = self.config
+        if config.base_model:
+            from transformers import AutoModelForCausalLM, AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(config.base_model)
+            model = AutoModelForCausalLM.from_pretrained(config.base_model).eval()
+            self._stage("base model", started, checkpoint=config.base_model)
+            return model, tokenizer
+        from orchard.pipeline.model import build_model, build_tokenizer, pretrain, random_conversation
+
+        rng = random.Random(config.seed)
+        texts = [m["content"] for task in train for m in random_conversation(task, SYSTEM, rng)]
+        tokenizer = build_tokenizer(texts + [SYSTEM], config.model.vocab_size)
+        model = build_model(tokenizer, config.model, config.seed)
+        losses = pretrain(model, tokenizer, train, SYSTEM, config.model, config.seed)
+        model.save_pretrained(config.output_dir / "base")
+        tokenizer.save_pretrained(config.output_dir / "base")
+        self._stage("base model", started, built_here=True, parameters=sum(p.numel() for p in model.parameters()),
+                    pretrain_loss_first=round(losses[0], 3), pretrain_loss_last=round(losses[-1], 3),
+                    note="a small Llama pre-trained here on random-choice conversations of the training tasks")
+        return model, tokenizer
+
+    def _engine(self, policy: Any, grade: bool = True) -> Any:
+        from orchard.rollout.engine import EngineConfig, RolloutEngine
+        from orchard.rollout.loop import RolloutConfig
+
+        rollout = RolloutConfig(**{**self.config.rollout, "system_prompt": SYSTEM})
+        return RolloutEngine(self.client, policy, EngineConfig(max_concurrent=self.config.concurrency,
+                                                               rollout=rollout, grade=grade))
+
+    def _policy(self, model: Any, tokenizer: Any, salt: int) -> Any:
+        from orchard.rollout.policies.huggingface import HuggingFacePolicy
+
+        return HuggingFacePolicy(model, tokenizer, temperature=self.config.temperature, seed=self.config.seed * 101 + salt)
+
+    async def evaluate(self, name: str, model: Any, tokenizer: Any, heldout: list) -> dict:
+        from orchard.rollout.evaluation import summarize
+
+        started = time.perf_counter()
+        async with self._engine(self._policy(model, tokenizer, len(self.report["stages"]))) as engine:
+            samples = await engine.run(heldout, self.config.eval_attempts, progress=self.progress)
+        with open(self.config.output_dir / f"eval-{name.replace('+', '-')}.jsonl", "w") as handle:
+            for sample in samples:
+                handle.write(json.dumps(sample.to_dict(tokens=False)) + "\n")
+        report = summarize(samples, ks=(1,))
+        by_level: dict[str, list[int]] = {}
+        levels = {t.task_id: t.difficulty or "?" for t in heldout}
+        for sample in samples:
+            by_level.setdefault(levels[sample.task_id], []).append(int(sample.resolved))
+        result = {"pass_rate": report["pass_rate"], "pass_rate_95": report["pass_rate_95"],
+                  "attempts": report["attempts"], "statuses": report["statuses"],
+                  "by_difficulty": {k: sum(v) / len(v) for k, v in sorted(by_level.items())}}
+        self._stage(f"evaluate {name}", started, **{k: result[k] for k in ("pass_rate", "attempts")})
+        return result
+
+    async def expert_trajectories(self, train: list) -> list:
+        from orchard.pipeline.expert import NoisyExpert, trajectory_of
+        from orchard.train.credit import save_jsonl
+
+        started = time.perf_counter()
+        expert = NoisyExpert(train, seed=self.config.seed, **self.config.expert)
+        async with self._engine(expert) as engine:
+            samples = await engine.run(train, self.config.expert_attempts, progress=self.progress)
+        trajectories = [trajectory_of(s) for s in samples if s.status.value == "completed"]
+        save_jsonl((t.to_dict() for t in trajectories), self.config.output_dir / "expert.jsonl")
+        self._stage("expert trajectories", started, trajectories=len(trajectories),
+                    resolved=sum(t.resolved for t in trajectories))
+        return trajectories
+
+    async def credit(self, trajectories: list, train: list) -> list[dict]:
+        from orchard.pipeline.expert import GroundTruthValues
+        from orchard.train.credit import save_jsonl
+        from orchard.train.credit_pipeline import build_sft_dataset
+
+        started = time.perf_counter()
+        config = self.config
+        if config.sft_data == "resolved":
+            chosen = [t for t in trajectories if t.resolved]
+            examples = (await build_sft_dataset(chosen, GroundTruthValues(train), system=SYSTEM)).examples
+            self._stage("sft data", started, kind="resolved trajectories only (ablation)", examples=len(examples))
+        else:
+            if config.teacher:
+                from orchard.train.teacher import LLMTeacher
+
+                estimator: Any = LLMTeacher(**config.teacher)
+                kind = f"LLM teacher {config.teacher.get('model')}"
+            else:
+                estimator, kind = GroundTruthValues(train), "ground-truth values (the tasks' known fixes), not an LLM"
+            result = await build_sft_dataset(trajectories, estimator, system=SYSTEM)
+            examples = result.examples
+            self._stage("credit assignment", started, values=kind, **result.report)
+        save_jsonl(examples, config.output_dir / "sft.jsonl")
+        return examples
+
+    def sft(self, model: Any, tokenizer: Any, examples: list[dict]) -> None:
+        from orchard.train.sft_data import tokenize_example
+        from orchard.train.sft_trainer import SFTConfig, SFTTrainer
+
+        started = time.perf_counter()
+        tokenized = [tokenize_example(tokenizer, e["messages"], 2048) for e in examples]
+        tokenized = [t for t in tokenized if sum(t.loss_mask[1:])]
+        settings = dict(self.config.sft)
+        settings["global_batch_size"] = min(settings.get("global_batch_size", 8), len(tokenized))
+        settings["micro_batch_size"] = min(settings.get("micro_batch_size", 8), settings["global_batch_size"])
+        while settings["global_batch_size"] % settings["micro_batch_size"]:
+            settings["micro_batch_size"] -= 1
+        trainer = SFTTrainer(model, tokenized, SFTConfig(output_dir=self.config.output_dir / "sft",
+                                                         seed=self.config.seed, **settings), tokenizer.pad_token_id)
+        records = trainer.train()
+        model.eval()
+        self._stage("sft", started, examples=len(tokenized), steps=trainer.step,
+                    loss_first=round(records[0]["loss"], 3) if records else None,
+                    loss_last=round(records[-1]["loss"], 3) if records else None)
+
+    async def rl(self, model: Any, tokenizer: Any, train: list) -> None:
+        from orchard.train.rl_config import RLConfig
+        from orchard.train.rl_trainer import RLTrainer
+
+        started = time.perf_counter()
+        config = RLConfig(output_dir=self.config.output_dir / "rl", seed=self.config.seed, **self.config.rl)
+        async with self._engine(self._policy(model, tokenizer, 7)) as engine:
+            trainer = RLTrainer(model, engine, train, config, pad_id=tokenizer.pad_token_id)
+            records = await trainer.train(progress=self.progress)
+        model.eval()
+        self._stage("rl", started, steps=trainer.step, sampler=config.sampler,
+                    success_first=records[0]["success_rate"] if records else None,
+                    success_last=records[-1]["success_rate"] if records else None,
+                    rollouts=sum(r["rollouts"] for r in records),
+                    sandbox_errors=sum(r["sandbox_errors"] for r in records))
+
+
+def _default_image() -> Path:
+    from orchard.testing.images import local_kit_image
+
+    return local_kit_image()
+
+
+def run_pipeline(config: PipelineConfig, progress: bool = True) -> dict[str, Any]:
+    return asyncio.run(Pipeline(config, progress).run())

@@ -1,0 +1,109 @@
+"""The pipeline's pieces: choice tasks graded for real, the noisy expert, ground-truth values,
+and a tiny end-to-end run through the CLI."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+import yaml
+from click.testing import CliRunner
+
+from orchard.cli.main import cli
+from orchard.client.aio import AsyncClient
+from orchard.pipeline.choice import CANDIDATES, buggy_function, choice_suite
+from orchard.pipeline.expert import GroundTruthValues, NoisyExpert, TEST_COMMAND, UNDO, apply_command, trajectory_of
+from orchard.rollout.actions import SUBMIT_TURN, bash_block
+from orchard.rollout.engine import EngineConfig, RolloutEngine
+from orchard.rollout.policies.scripted import ScriptedPolicy
+from orchard.tasks.generated import generate_suite
+from orchard.train.credit import Step, Trajectory
+
+
+@pytest.fixture(scope="module")
+def suite(kit_image):
+    return choice_suite(generate_suite(12, seed=4, image=kit_image), size=6, seed=4)
+
+
+def test_choice_tasks_number_their_candidates_and_name_the_fix_in_the_call_path(suite):
+    for task in suite:
+        choice = task.metadata["choice"]
+        assert len(choice["candidates"]) >= 6 and choice["fix"] in choice["candidates"]
+        assert choice["names"][choice["fix"]] == buggy_function(task)
+        last_frame = [line for line in task.problem_statement.splitlines() if line.startswith("  File ")][-1]
+        assert last_frame.endswith(f"(candidate {choice['fix']})")
+        assert all(f"{CANDIDATES}/{n}.diff" in task.files for n in choice["candidates"])
+        assert f"{CANDIDATES}/" in task.files[".gitignore"]
+    assert len({t.metadata["choice"]["fix"] for t in suite}) > 1, "the right number varies"
+
+
+def test_only_the_right_candidate_resolves_a_task_in_a_sandbox(orchard_backend_settings, suite):
+    task = suite[0]
+    choice = task.metadata["choice"]
+    wrong = next(n for n in choice["candidates"] if n != choice["fix"])
+
+    async def main():
+        async with AsyncClient(backend_settings=orchard_backend_settings["local"]) as client:
+            results = {}
+            for pick in (choice["fix"], wrong):
+                policy = ScriptedPolicy([bash_block(apply_command(pick)), SUBMIT_TURN])
+                async with RolloutEngine(client, policy, EngineConfig(max_concurrent=1)) as engine:
+                    sample = await engine.rollout(task)
+                results[pick] = sample
+            return results
+
+    results = asyncio.run(main())
+    assert results[choice["fix"]].reward == 1.0 and results[wrong].reward == -1.0
+    assert CANDIDATES not in results[choice["fix"]].diff, "the candidates are ignored by git: not in the diff"
+
+
+def test_ground_truth_values_follow_the_applied_candidate(suite):
+    task = suite[1]
+    fix, wrong = task.metadata["choice"]["fix"], next(n for n in task.metadata["choice"]["candidates"]
+                                                      if n != task.metadata["choice"]["fix"])
+    steps = [Step(bash_block(apply_command(fix))), Step(bash_block(TEST_COMMAND)), Step(bash_block(UNDO)),
+             Step(bash_block(apply_command(wrong))), Step(SUBMIT_TURN)]
+    values = asyncio.run(GroundTruthValues([task]).values(Trajectory(task.task_id, "", steps, False)))
+    prior = 1 / len(task.metadata["choice"]["candidates"])
+    assert values == [prior, 1.0, 1.0, prior, 0.0, 0.0]
+
+
+def test_the_noisy_expert_leaves_good_steps_in_failed_trajectories(orchard_backend_settings, suite):
+    async def main():
+        async with AsyncClient(backend_settings=orchard_backend_settings["local"]) as client:
+            expert = NoisyExpert(suite, p_correct=0.6, p_recover=0.5, p_undo=0.5, seed=3)
+            async with RolloutEngine(client, expert, EngineConfig(max_concurrent=4)) as engine:
+                return await engine.run(suite, attempts=2)
+
+    samples = asyncio.run(main())
+    assert all(s.status.value == "completed" for s in samples)
+    trajectories = [trajectory_of(s) for s in samples]
+    undone = [t for t in trajectories if not t.resolved and any(UNDO == step.action.split("\n")[1]
+                                                                   for step in t.steps)]
+    assert undone, "some failures undid a right fix: steps that credit assignment keeps"
+    values = GroundTruthValues(suite)
+    for trajectory in undone:
+        v = asyncio.run(values.values(trajectory))
+        assert max(v) == 1.0 and v[-1] == 0.0
+
+
+def test_orchard_pipeline_runs_end_to_end_with_tiny_budgets(orchard_backend_settings, kit_image, tmp_path):
+    config = {"backend": {"name": "local", "settings": orchard_backend_settings["local"]}, "image": kit_image,
+              "tasks": 16, "model": {"pretrain_steps": 3, "hidden_size": 32, "layers": 1, "heads": 2},
+              "sft": {"epochs": 1, "global_batch_size": 4, "micro_batch_size": 4},
+              "rl": {"steps": 1, "tasks_per_step": 2, "group_size": 2, "max_rollouts": 4, "stride": 2},
+              "eval_attempts": 1, "concurrency": 4}
+    (tmp_path / "pipeline.yaml").write_text(yaml.safe_dump(config))
+    result = CliRunner().invoke(cli, ["pipeline", "--config", str(tmp_path / "pipeline.yaml"),
+                                      "--output", str(tmp_path / "run")])
+    assert result.exit_code == 0, result.output
+    report = json.loads((tmp_path / "run" / "report.json").read_text())
+    assert set(report["results"]) == {"base", "sft", "sft+rl"}
+    assert set(report["stages"]) >= {"tasks", "base model", "expert trajectories", "credit assignment", "sft", "rl"}
+    assert "ground-truth values" in report["stages"]["credit assignment"]["values"]
+    for name in ("report.md", "report.png", "expert.jsonl", "sft.jsonl", "eval-base.jsonl", "eval-sft-rl.jsonl"):
+        assert (tmp_path / "run" / name).exists(), name
+    (tmp_path / "bad.yaml").write_text(yaml.safe_dump({**config, "epochs": 3}))
+    bad = CliRunner().invoke(cli, ["pipeline", "--config", str(tmp_path / "bad.yaml")])
+    assert bad.exit_code != 0 and "epochs" in bad.output
