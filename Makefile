@@ -16,6 +16,7 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 quickstart: system-deps venv  ## set up and run the main job on the local backend
 	$(VENV)/bin/orchard quickstart
+	$(VENV)/bin/orchard pipeline --quick --output runs/quickstart-pipeline
 
 test: system-deps venv  ## set up and run the whole test suite (with a real single-node Slurm)
 	bash slurm/dev-cluster.sh up

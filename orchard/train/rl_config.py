@@ -30,6 +30,8 @@ class RLConfig:
     scale_advantages: bool = field(default=True, metadata={"help": "divide by the group's std (False: Dr. GRPO)"})
     loss: GRPOLossConfig = field(default_factory=GRPOLossConfig, metadata={"help": "the GRPO objective"})
     learning_rate: float = field(default=1e-6, metadata={"help": "AdamW learning rate"})
+    warmup_steps: int = field(default=0, metadata={"help": "linear warmup of the learning rate (Adam's first "
+                                                           "steps move every weight by about the full rate)"})
     weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay"})
     max_grad_norm: float = field(default=1.0, metadata={"help": "gradient clipping"})
     micro_batch_size: int = field(default=4, metadata={"help": "sequences per forward pass"})

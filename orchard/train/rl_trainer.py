@@ -78,6 +78,8 @@ class RLTrainer:
         self.reference = copy.deepcopy(model).eval() if config.loss.kl_coef else None
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=config.learning_rate,
                                            weight_decay=config.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda step: min(1.0, (step + 1) / config.warmup_steps) if config.warmup_steps else 1.0)
         self.step = 0
         config.output_dir.mkdir(parents=True, exist_ok=True)
 
@@ -198,6 +200,8 @@ class RLTrainer:
             norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), config.max_grad_norm)
             totals["grad_norm"] += float(norm) / config.inner_epochs
             self.optimizer.step()
+        totals["lr"] = self.scheduler.get_last_lr()[0]
+        self.scheduler.step()
         self.model.eval()
         return totals
 
@@ -222,6 +226,7 @@ class RLTrainer:
         path = self.config.output_dir / f"checkpoint-{self.step}"
         path.mkdir(parents=True, exist_ok=True)
         torch.save({"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(), "step": self.step,
+                    "scheduler": self.scheduler.state_dict(),
                     "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
                     "loader": self.loader.state_dict(), "band": self.band.state_dict() if self.band else None,
                     "policy": self.engine.policy.state_dict()}, path / "state.pt")
@@ -231,6 +236,8 @@ class RLTrainer:
         state = torch.load(Path(path) / "state.pt", weights_only=False)
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
+        if state.get("scheduler") is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
         self.step = state["step"]
         torch.set_rng_state(state["rng"]["torch"])
         random.setstate(state["rng"]["python"])
