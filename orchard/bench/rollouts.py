@@ -1,6 +1,7 @@
 """``orchard bench rollouts``: the rollout engine's own overhead, with a policy that answers
-instantly. Every turn still runs a real command in a real sandbox (``true`` by default), so
-turns/s is the loop + SDK + agent + sandbox cost per turn, the ceiling a fast model sees."""
+instantly. Every turn still runs a real command in a real sandbox (``true`` by default; the
+last one writes a file no other rollout writes, so every diff is graded), so turns/s is the
+loop + SDK + agent + sandbox + grading cost per turn, the ceiling a fast model sees."""
 
 from __future__ import annotations
 
@@ -22,7 +23,11 @@ from orchard.tasks.generated import generate_suite
 async def run(client: AsyncClient, image: str, rollouts: int, turns: int, concurrency: int, command: str,
               profile: Optional[str] = None, grade: bool = True) -> dict[str, Any]:
     [task] = generate_suite(1, seed=0, image=image)
-    policy = ScriptedPolicy(lambda messages, turn: bash_block(command) if turn < turns else bash_block("submit"))
+    # The last command leaves a file no other rollout has, so every rollout's diff differs and
+    # is graded on its own (the grader grades a repeated change once).
+    unique = "date +%s%N > bench-stamp.txt"
+    policy = ScriptedPolicy(lambda messages, turn: bash_block(command if turn < turns - 1 else unique)
+                            if turn < turns else bash_block("submit"))
     config = EngineConfig(max_concurrent=concurrency, rollout=RolloutConfig(max_turns=turns + 1), grade=grade)
     async with RolloutEngine(client, policy, config) as engine:
         start = time.perf_counter()
