@@ -10,14 +10,15 @@ after its own is deleted, in the same slot). Whatever happens, every sandbox is 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Coroutine, Optional, TypeVar
 
-from orchard.client.aio import AsyncClient, AsyncSandbox
+from orchard.client.aio import AsyncClient
 from orchard.errors import OrchardError
-from orchard.rollout.environment import PreparedTask
+from orchard.rollout.environment import PreparedTask, delete_sandbox, finish
 from orchard.rollout.grading import extract_diff, grade
 from orchard.rollout.loop import RolloutConfig, run_episode
 from orchard.rollout.policy import Policy
@@ -25,6 +26,7 @@ from orchard.rollout.sample import RolloutSample, RolloutStatus
 from orchard.tasks import Task
 from orchard.train.bar import Rollout
 
+T = TypeVar("T")
 GRADED = (RolloutStatus.COMPLETED, RolloutStatus.TRUNCATED)  # BAR counts these; timed out and aborted never
 
 
@@ -97,13 +99,20 @@ class RolloutEngine:
         await self.close()
 
     def prepared(self, task: Task) -> PreparedTask:
-        if task.task_id not in self._prepared:
-            self._prepared[task.task_id] = PreparedTask(self.client, task, **self.config.sandbox)
-        return self._prepared[task.task_id]
+        """The task's starting state, keyed by the task's whole content (not its id alone): two
+        tasks under one id (other tests, another test patch) share no snapshot and no verdict."""
+        key = self._key(task)
+        if key not in self._prepared:
+            self._prepared[key] = PreparedTask(self.client, task, **self.config.sandbox)
+        return self._prepared[key]
+
+    @staticmethod
+    def _key(task: Task) -> str:
+        return f"{task.task_id}@{hashlib.sha256(task.model_dump_json().encode()).hexdigest()}"
 
     async def release(self, task: Task) -> None:
         """Forget a task's starting state (its snapshot) when no more rollouts of it come."""
-        prepared = self._prepared.pop(task.task_id, None)
+        prepared = self._prepared.pop(self._key(task), None)
         if prepared is not None:
             await prepared.close()
 
@@ -127,7 +136,7 @@ class RolloutEngine:
             except asyncio.TimeoutError:
                 sample = RolloutSample(task.task_id, attempt, RolloutStatus.TIMED_OUT,
                                        error=f"cut off as a straggler after {limit:g} s", error_type="timeout")
-            except OrchardError as exc:  # preparing or grading failed
+            except OrchardError as exc:  # preparing failed
                 sample = RolloutSample(task.task_id, attempt, RolloutStatus.ABORTED, error=exc.message,
                                        error_type=exc.error_type)
         self.metrics.add(sample, sum(lifetimes))
@@ -137,28 +146,32 @@ class RolloutEngine:
         prepared = self.prepared(task)
         sandbox = await prepared.sandbox()
         born = time.monotonic()
+        sample = RolloutSample(task.task_id, attempt, RolloutStatus.ABORTED, sandbox_id=sandbox.id)
         try:
             sample = await run_episode(self.policy, sandbox, task, self.config.rollout, attempt)
             if sample.status in GRADED and self.config.grade:
                 sample.diff = await extract_diff(sandbox, task)
-        except OrchardError as exc:
-            sample = RolloutSample(task.task_id, attempt, RolloutStatus.ABORTED, error=exc.message,
-                                   error_type=exc.error_type, sandbox_id=sandbox.id)
+        except OrchardError as exc:  # the episode's conversation is kept, for whoever looks into it
+            _abort(sample, exc)
         finally:
-            await _delete(sandbox)
+            await delete_sandbox(sandbox)  # to the end, cancellation or not
             lifetimes.append(time.monotonic() - born)
         if sample.status in GRADED and self.config.grade:
             born = time.monotonic()
-            sample.grade = await grade(prepared, sample.diff)
-            lifetimes.append(time.monotonic() - born)
-            sample.reward = 1.0 if sample.grade.resolved else -1.0
+            try:
+                sample.grade = await grade(prepared, sample.diff)
+                sample.reward = 1.0 if sample.grade.resolved else -1.0
+            except OrchardError as exc:  # the grading sandbox failed: no verdict, no reward
+                _abort(sample, exc)
+            finally:
+                lifetimes.append(time.monotonic() - born)
         return sample
 
     async def group(self, task: Task, k: int) -> list[RolloutSample]:
         """``k`` more rollouts of ``task``, run concurrently (attempt numbers continue)."""
         first = self._attempts[task.task_id]
         self._attempts[task.task_id] += k
-        return list(await asyncio.gather(*(self.rollout(task, first + n) for n in range(k))))
+        return await _all([self.rollout(task, first + n) for n in range(k)])
 
     def generator(self, task: Task):
         """BAR's ``generate(k)`` for one task: k rollouts as BAR reads them."""
@@ -182,12 +195,26 @@ class RolloutEngine:
             return sample
 
         with RolloutProgress(len(tasks) * attempts, enabled=progress) as bar:
-            return list(await asyncio.gather(*(one(task, n) for task in tasks for n in range(attempts))))
+            return await _all([one(task, n) for task in tasks for n in range(attempts)])
 
 
-async def _delete(sandbox: AsyncSandbox) -> None:
-    """Delete, whatever else is going on (cancellation included); a sandbox already gone is fine."""
+def _abort(sample: RolloutSample, exc: OrchardError) -> None:
+    """The environment failed this rollout: ``aborted``, no grade and no reward (never -1)."""
+    sample.status, sample.error, sample.error_type = RolloutStatus.ABORTED, exc.message, exc.error_type
+    sample.grade, sample.reward = None, None
+
+
+async def _all(steps: list[Coroutine[Any, Any, T]]) -> list[T]:
+    """Every step's result, run concurrently. Cancelled (or one failing), the others are
+    cancelled and *waited for* before this returns (``gather`` returns at the first cancelled
+    child), so their sandboxes and snapshots are deleted before the caller goes on to close."""
+    running = [asyncio.ensure_future(step) for step in steps]
     try:
-        await asyncio.shield(sandbox.delete())
-    except OrchardError:
-        pass
+        return list(await asyncio.gather(*running))
+    except BaseException:
+        for task in running:
+            if not task.cancelling():  # a second cancel would cut a cancelled task's cleanup short
+                task.cancel()
+        if running:
+            await finish(asyncio.wait(running))
+        raise

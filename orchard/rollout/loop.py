@@ -6,24 +6,65 @@ observation, cut to ``observation_max_chars`` (head and tail kept). Limits end a
 as BAR reads it: out of turns or tokens is ``truncated``, out of wall-clock time is
 ``timed_out``. A lost sandbox (killed holder, cancelled Slurm job, evicted pod) or any other
 environment failure is ``aborted``: never a -1, since the policy did nothing wrong.
+
+Whatever the *action* causes is the policy's doing, so it is an observation and the episode
+goes on: a command that cannot be sent (past :data:`MAX_COMMAND_BYTES`, a NUL byte, a lone
+surrogate), one the sandbox refuses, and a working directory the policy removed (later
+commands run in ``/`` until it exists again, and the observation says so). Otherwise a policy
+could turn its own failure into ``aborted``, which earns no -1 and leaves evaluation's n.
 """
 
 from __future__ import annotations
 
 import asyncio
 import inspect
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable, Optional, TypeVar
 
 from orchard.client.aio import AsyncSandbox
-from orchard.errors import OrchardError
+from orchard.errors import InvalidRequest, OrchardError, PayloadTooLarge
+from orchard.models import ExecRequest, Job
 from orchard.rollout.actions import SYSTEM_PROMPT, parse_action
 from orchard.rollout.policy import Context, Policy
 from orchard.rollout.sample import RolloutSample, RolloutStatus, Turn
 from orchard.tasks import Task
 
 T = TypeVar("T")
+log = logging.getLogger("orchard.rollout")
+
+# One argument of a command may hold 128 KiB on Linux (MAX_ARG_STRLEN), and a command goes as
+# one: past it the exec fails inside the service (E2BIG). This leaves room for the wrapping.
+MAX_COMMAND_BYTES = 100_000
+MAX_EXEC_TIMEOUT = float(next(m.le for m in ExecRequest.model_fields["timeout_seconds"].metadata
+                              if hasattr(m, "le")))  # the exec API's limit on one command (7 days)
+_clamped: set[str] = set()  # tasks whose command timeout was said to be clamped
+
+
+def exec_timeout(seconds: float, task_id: str) -> float:
+    """``seconds`` within what the exec API takes for one command (said once per task when cut)."""
+    if seconds <= MAX_EXEC_TIMEOUT:
+        return seconds
+    if task_id not in _clamped:
+        _clamped.add(task_id)
+        log.warning("task %s: a command timeout of %g s is past the exec API's limit; its commands get %g s",
+                    task_id, seconds, MAX_EXEC_TIMEOUT)
+    return MAX_EXEC_TIMEOUT
+
+
+def command_problem(command: str) -> Optional[str]:
+    """Why ``command`` cannot be sent at all (the observation; nothing ran), or None."""
+    if "\0" in command:
+        return "The command contains a NUL byte; nothing ran. Write NUL with printf '\\0' instead."
+    try:
+        size = len(command.encode("utf-8"))
+    except UnicodeEncodeError as exc:
+        return f"The command is not valid text (a lone surrogate at character {exc.start}); nothing ran."
+    if size > MAX_COMMAND_BYTES:
+        return (f"The command is {size} bytes long, past the limit of {MAX_COMMAND_BYTES} bytes; nothing ran. "
+                "Write long text in several smaller commands (append to a file with cat >> FILE <<'EOF').")
+    return None
 
 
 @dataclass
@@ -44,6 +85,9 @@ class RolloutConfig:
     def __post_init__(self) -> None:
         if min(self.max_turns, self.max_tokens_per_turn, self.max_total_tokens, self.observation_max_chars) < 1:
             raise ValueError("max_turns, max_tokens_per_turn, max_total_tokens and observation_max_chars must be >= 1")
+        if any(seconds is not None and not seconds > 0 for seconds in (self.command_timeout_seconds,
+                                                                       self.time_limit_seconds)):
+            raise ValueError("command_timeout_seconds and time_limit_seconds must be > 0 (or unset: the task's)")
 
 
 def task_messages(task: Task, config: RolloutConfig) -> list[dict[str, str]]:
@@ -89,7 +133,7 @@ async def run_episode(policy: Policy, sandbox: AsyncSandbox, task: Task, config:
     """Run one episode of ``task`` in ``sandbox`` (which the caller created and deletes)."""
     start = time.monotonic()
     deadline = start + (config.time_limit_seconds or task.time_limit_seconds)
-    command_timeout = config.command_timeout_seconds or task.command_timeout_seconds
+    command_timeout = exec_timeout(config.command_timeout_seconds or task.command_timeout_seconds, task.task_id)
     sample = RolloutSample(task_id=task.task_id, attempt=attempt, status=RolloutStatus.TRUNCATED,
                            sandbox_id=sandbox.id)
     context: Optional[Context] = None
@@ -121,13 +165,9 @@ async def run_episode(policy: Policy, sandbox: AsyncSandbox, task: Task, config:
             else:
                 timeout = min(command_timeout, left())
                 began = time.monotonic()
-                job = await sandbox.exec(action.command, timeout=timeout, cwd=task.workdir)
+                turn.exit_code, turn.observation = await _command(sandbox, action.command, task.workdir, timeout,
+                                                                  config.observation_max_chars)
                 turn.sandbox_seconds = time.monotonic() - began
-                if job.error_type not in (None, "timeout"):  # lost, unreachable, refused: the environment's fault
-                    raise _EnvironmentFailed(job.error_type, job.error or job.error_type)
-                turn.exit_code = job.exit_code
-                turn.observation = observation(job.exit_code, job.stdout, job.stderr, job.error_type == "timeout",
-                                               timeout, config.observation_max_chars)
             await _within(policy.observe(context, turn.observation), left)
         else:
             sample.error = f"no submit within max_turns ({config.max_turns})"
@@ -150,6 +190,52 @@ async def run_episode(policy: Policy, sandbox: AsyncSandbox, task: Task, config:
         sample.sandbox_seconds = sum(t.sandbox_seconds for t in sample.turns)
         sample.wall_seconds = time.monotonic() - start
     return sample
+
+
+async def _command(sandbox: AsyncSandbox, command: str, workdir: str, timeout: float,
+                   limit: int) -> tuple[Optional[int], str]:
+    """Run one of the policy's commands: its exit code and the observation. What the command
+    itself caused comes back as the observation; the environment's failures raise."""
+    problem = command_problem(command)
+    if problem is not None:
+        return None, problem
+    note = ""
+    job = await _exec(sandbox, command, timeout, workdir)
+    if isinstance(job, str) and not await _is_directory(sandbox, workdir):
+        note = f"The working directory {workdir} does not exist (any more); the command ran in /.\n"
+        job = await _exec(sandbox, command, timeout, "/")
+    if isinstance(job, str):
+        return None, cut(f"{note}The command was refused; nothing ran: {job}", limit)
+    if job.error_type == "rejected":  # refused once queued (what it asked for, not the sandbox's state)
+        return job.exit_code, cut(f"{note}The command was refused: {job.error}", limit)
+    if job.error_type == "internal" and job.exit_code == 125 and await _runs(sandbox):
+        # The service reads exit 125 with "orchard-enter:" on stderr as its own failure, and a
+        # command can print that too; a sandbox that still runs a command failed at nothing.
+        job.error_type = None
+    if job.error_type not in (None, "timeout"):  # lost, unreachable, internal: the environment's fault
+        raise _EnvironmentFailed(job.error_type, job.error or job.error_type)
+    return job.exit_code, note + observation(job.exit_code, job.stdout, job.stderr, job.error_type == "timeout",
+                                             timeout, max(limit - len(note), 1))
+
+
+async def _exec(sandbox: AsyncSandbox, command: str, timeout: float, cwd: str) -> Job | str:
+    """The job, or why the request was refused (nothing ran)."""
+    try:
+        return await sandbox.exec(command, timeout=timeout, cwd=cwd)
+    except (InvalidRequest, PayloadTooLarge) as exc:
+        return exc.message
+
+
+async def _runs(sandbox: AsyncSandbox) -> bool:
+    job = await sandbox.exec("true", cwd="/", timeout=60)
+    return job.ok
+
+
+async def _is_directory(sandbox: AsyncSandbox, path: str) -> bool:
+    job = await sandbox.exec(["test", "-d", path], cwd="/", timeout=60)
+    if job.error_type not in (None, "timeout"):
+        raise _EnvironmentFailed(job.error_type, job.error or job.error_type)
+    return job.exit_code == 0
 
 
 class _EnvironmentFailed(Exception):

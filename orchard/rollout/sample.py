@@ -43,7 +43,7 @@ class Grade:
     resolved: bool
     detail: str = ""
     tests: dict[str, str] = field(default_factory=dict)  # test id -> PASSED | FAILED | ...
-    dropped_paths: list[str] = field(default_factory=list)  # protected files the diff touched (not applied)
+    dropped_paths: list[str] = field(default_factory=list)  # protected paths that made the diff refused
     seconds: float = 0.0
     cached: bool = False  # the same change was graded before for this task
 

@@ -8,6 +8,11 @@ runner's final summary must be there (for unittest, with as many tests as there 
 lines, which forged extra lines break) and, unless ``Task.clean_run_required`` is off (SWE-bench
 tasks, whose test files hold tests that fail regardless), report no failures.
 
+Grading may plant *canaries* (``canaries`` in :func:`tests_passed`): tests that must fail.
+Each must be reported FAILED, the run must exit 1 and report exactly that many failures (and
+no errors); a canary that passed or is missing means the runner was tampered with. Canaries
+are left out of the results and of the clean-run check.
+
 Test ids are pytest node ids (``tests/test_a.py::TestX::test_y[param]``) and, for unittest,
 ``module.Class.test_name`` whatever the Python version printed.
 """
@@ -15,6 +20,7 @@ Test ids are pytest node ids (``tests/test_a.py::TestX::test_y[param]``) and, fo
 from __future__ import annotations
 
 import re
+from collections import Counter
 from typing import TYPE_CHECKING, Sequence
 
 if TYPE_CHECKING:
@@ -39,6 +45,7 @@ _UNITTEST_HEAD = re.compile(r"\b(\w+) \(([\w.]+)\)$")
 _UNITTEST_SUBTEST = re.compile(r"\b(\w+) \(([\w.]+)\) \(.*\)$")  # "test_x (m.C.test_x) (i=2) ... FAIL"
 _UNITTEST_DETAIL = re.compile(r"^(FAIL|ERROR|UNEXPECTED SUCCESS): (\w+) \(([\w.]+)\)")
 _UNITTEST_RAN = re.compile(r"^Ran (\d+) tests? in [\d.]+s$")
+_UNITTEST_COUNTS = re.compile(r"(failures|errors|skipped|expected failures|unexpected successes)=(\d+)")
 _UNITTEST_OK = re.compile(r"^OK(?: \((?:skipped|expected failures|unexpected successes)=\d+"
                           r"(?:, (?:skipped|expected failures|unexpected successes)=\d+)*\))?$")
 
@@ -75,17 +82,21 @@ def parse_pytest(output: str) -> dict[str, str]:
     return results
 
 
-def pytest_summary_ok(output: str, clean: bool = True) -> bool:
-    """Whether pytest's final summary line is there and (``clean``) counts no failures or errors."""
-    counts = None
+def pytest_summary_ok(output: str, clean: bool = True, failures: int = 0) -> bool:
+    """Whether pytest's final summary line is there and (``clean``) counts no errors and
+    exactly ``failures`` failures (the planted canaries; 0 without)."""
+    summary = None
     for raw in output.splitlines():
         match = _PYTEST_SUMMARY.match(_ANSI.sub("", raw).strip())
         if match:
-            counts = match.group(1)
-    if counts is None:
+            summary = match.group(1)
+    if summary is None:
         return False
-    words = {part.split(" ", 1)[1] for part in counts.split(", ")}
-    return not clean or not words & {"failed", "error", "errors", "xpassed"}
+    counts: Counter = Counter()
+    for part in summary.split(", "):
+        number, word = part.split(" ", 1)
+        counts[word] += int(number)
+    return not clean or (counts["failed"] == failures and not counts["error"] + counts["errors"] + counts["xpassed"])
 
 
 def _unittest_id(name: str, where: str) -> str:
@@ -171,11 +182,13 @@ def parse_unittest(output: str) -> dict[str, str]:
     return _unittest_scan(output)[0]
 
 
-def unittest_summary_ok(output: str, clean: bool = True) -> bool:
+def unittest_summary_ok(output: str, clean: bool = True, failures: int = 0) -> bool:
     """Whether the run printed its summary (``Ran N tests`` then ``OK``, or with ``clean=False``
-    also ``FAILED (...)``), never ``FAILED`` when ``clean``, and ran exactly as many tests as
-    it printed result lines for. Lines after the summary (Django's teardown) are ignored."""
-    ran, status, expecting, failed = 0, "", False, False
+    also ``FAILED (...)``), and ran exactly as many tests as it printed result lines for.
+    ``clean``: never ``FAILED`` (with ``failures``, the planted canaries: ``FAILED`` with
+    exactly that many failures, no errors and no unexpected successes). Lines after the
+    summary (Django's teardown) are ignored."""
+    ran, status, expecting, failed, counts = 0, "", False, False, Counter()
     for raw in output.splitlines():
         line = _ANSI.sub("", raw).strip()
         match = _UNITTEST_RAN.match(line)
@@ -184,9 +197,17 @@ def unittest_summary_ok(output: str, clean: bool = True) -> bool:
             continue
         is_failed = line.startswith("FAILED (") and line.endswith(")")
         failed = failed or is_failed
+        if is_failed:
+            for word, number in _UNITTEST_COUNTS.findall(line):
+                counts[word] += int(number)
         if expecting and line:
             status, expecting = ("FAILED" if is_failed else "OK" if _UNITTEST_OK.match(line) else "?"), False
-    if ran == 0 or status not in (("OK",) if clean else ("OK", "FAILED")) or (clean and failed):
+    if ran == 0 or status not in ("OK", "FAILED"):
+        return False
+    if clean and failures == 0 and (status != "OK" or failed):
+        return False
+    if clean and failures and (status != "FAILED" or counts["failures"] != failures or counts["errors"]
+                               or counts["unexpected successes"]):
         return False
     return _unittest_scan(output)[1] == ran
 
@@ -202,21 +223,30 @@ def parse_test_output(framework: str, output: str) -> dict[str, str]:
     raise ValueError(f"unknown test framework {framework!r}")
 
 
-def _summary_ok(framework: str, output: str, clean: bool) -> bool:
+def _summary_ok(framework: str, output: str, clean: bool, failures: int = 0) -> bool:
     if framework == "pytest":
-        return pytest_summary_ok(output, clean)
+        return pytest_summary_ok(output, clean, failures)
     if framework == "unittest":
-        return unittest_summary_ok(output, clean)
+        return unittest_summary_ok(output, clean, failures)
     return True
 
 
-def tests_passed(task: "Task", outputs: Sequence[str], exit_codes: Sequence[int]) -> tuple[bool, dict]:
+def _test_name(test_id: str) -> str:
+    """The function's name in a pytest node id or a unittest id (parameters dropped)."""
+    return re.split(r"::|\.", test_id.split("[", 1)[0])[-1]
+
+
+def tests_passed(task: "Task", outputs: Sequence[str], exit_codes: Sequence[int],
+                 canaries: Sequence[str] = ()) -> tuple[bool, dict]:
     """Whether the outputs of ``task.test_commands`` (one per command, in order) resolve the task.
 
     Resolved iff every command exited 0, each output ends with the runner's summary (clean,
     unless ``task.clean_run_required`` is False), and every fail_to_pass and pass_to_pass id is
-    PASSED in the merged results. The dict says why: ``reason``, ``exit_codes``, ``summary_ok``,
-    ``results``, and the status of each listed id (``MISSING`` when the output never named it).
+    PASSED in the merged results. ``canaries``: names of planted tests (in every command's
+    run) that must fail: each is reported FAILED, every command exits 1 and the clean summary
+    counts exactly those failures; otherwise the run is not trusted. The dict says why:
+    ``reason``, ``exit_codes``, ``summary_ok``, ``results`` (canaries left out), ``canaries``,
+    and the status of each listed id (``MISSING`` when the output never named it).
     """
     if len(outputs) != len(task.test_commands) or len(exit_codes) != len(task.test_commands):
         raise ValueError(f"{task.task_id}: {len(task.test_commands)} test commands, but {len(outputs)} outputs "
@@ -225,12 +255,23 @@ def tests_passed(task: "Task", outputs: Sequence[str], exit_codes: Sequence[int]
     for output in outputs:
         for test_id, status in parse_test_output(task.test_framework, output).items():
             _merge(results, test_id, status)
-    summary_ok = [_summary_ok(task.test_framework, output, task.clean_run_required) for output in outputs]
+    planted = {test_id: results.pop(test_id) for test_id in list(results) if _test_name(test_id) in canaries}
+    canary_status = {name: max((s for t, s in planted.items() if _test_name(t) == name), key=_RANK.get,
+                               default=MISSING) for name in canaries}
+    summary_ok = [_summary_ok(task.test_framework, output, task.clean_run_required, len(canaries))
+                  for output in outputs]
     f2p = {test_id: results.get(test_id, MISSING) for test_id in task.fail_to_pass}
     p2p = {test_id: results.get(test_id, MISSING) for test_id in task.pass_to_pass}
     failing = [t for t, s in {**f2p, **p2p}.items() if s != "PASSED"]
-    if any(code != 0 for code in exit_codes):
+    tampered = [f"{name} {status}" for name, status in canary_status.items() if status != "FAILED"]
+    if tampered:
+        reason = f"the test runner was tampered with: a planted test that must fail was not failed ({tampered[0]})"
+    elif canaries and any(code == 0 for code in exit_codes):
+        reason = "the test runner was tampered with: it exited 0 although a planted test failed"
+    elif not canaries and any(code != 0 for code in exit_codes):
         reason = "a test command exited non-zero"
+    elif canaries and any(code != 1 for code in exit_codes):
+        reason = f"a test command exited {max(exit_codes)}, not 1 (its planted failing tests)"
     elif not all(summary_ok):
         reason = "a test run's summary is missing" + (" or reports failures" if task.clean_run_required else "")
     elif failing:
@@ -238,7 +279,7 @@ def tests_passed(task: "Task", outputs: Sequence[str], exit_codes: Sequence[int]
     else:
         reason = "resolved"
     details = {"reason": reason, "exit_codes": list(exit_codes), "summary_ok": summary_ok, "results": results,
-               "fail_to_pass": f2p, "pass_to_pass": p2p}
+               "canaries": canary_status, "fail_to_pass": f2p, "pass_to_pass": p2p}
     return reason == "resolved", details
 
 

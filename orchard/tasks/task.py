@@ -22,11 +22,19 @@ TASK_ID_RULE = ("1-200 characters of A-Z a-z 0-9 . _ / -, starting with a letter
                 "without empty, '.' or '..' path segments")
 _TASK_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/-]{0,199}")
 
-# Files whose change would let a diff pass by weakening the judge instead of fixing the code.
+# Files whose change would let a diff pass by weakening the judge instead of fixing the code:
+# tests, and every file pytest reads its configuration from (``addopts = -p plugin`` loads
+# code into the runner), at the top or nested (pytest looks upwards from its arguments).
+# ``pyproject.toml`` and ``setup.cfg`` are sometimes part of a real fix; a diff touching
+# them is refused all the same (the grader's integrity first). ``setup.py`` is not
+# protected: no test runner here reads it.
 DEFAULT_PROTECTED_PATHS: tuple[str, ...] = (
     "tests/*", "test/*", "testing/*", "*/tests/*", "*/test/*",
     "test_*.py", "*/test_*.py", "*_test.py", "tests.py", "*/tests.py",
-    "conftest.py", "*/conftest.py", "pytest.ini", "tox.ini", "setup.cfg", "noxfile.py",
+    "conftest.py", "*/conftest.py",
+    "pytest.ini", "*/pytest.ini", ".pytest.ini", "*/.pytest.ini", "pytest.toml", "*/pytest.toml",
+    ".pytest.toml", "*/.pytest.toml", "pyproject.toml", "*/pyproject.toml", "tox.ini", "*/tox.ini",
+    "setup.cfg", "*/setup.cfg", "noxfile.py",
     ".git/*", ".github/*",
 )
 
@@ -63,8 +71,8 @@ class Task(BaseModel):
     pass_to_pass: list[str] = Field(default_factory=list, description="test ids that must keep passing")
     test_patch: str = Field("", description="diff applied at grading, after the agent's diff")
     protected_paths: list[str] = Field(default_factory=lambda: list(DEFAULT_PROTECTED_PATHS),
-                                       description="globs of files the agent's diff may not touch "
-                                                   "(the test patch's files are added)")
+                                       description="globs of files the agent's diff may not touch, or it "
+                                                   "is refused (the test patch's files are added)")
     reference_patch: str = Field("", description="a known fix (gold patch)")
     difficulty: Optional[str] = None
     tags: list[str] = Field(default_factory=list)
@@ -122,7 +130,7 @@ class Task(BaseModel):
         return self
 
     def is_protected(self, path: str) -> bool:
-        """Whether the agent's diff may not touch ``path`` (dropped from it at grading)."""
+        """Whether the agent's diff may not touch ``path`` (a diff that does is refused at grading)."""
         return is_protected(path, self.protected_paths)
 
     @property

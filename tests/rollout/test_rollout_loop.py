@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 from pathlib import Path
 
 
 from orchard.client.aio import AsyncClient
+from orchard.errors import SandboxNotFound, SnapshotNotFound
 from orchard.rollout.actions import bash_block, parse_action
 from orchard.rollout.engine import EngineConfig, RolloutEngine
+from orchard.rollout.environment import PreparedTask
 from orchard.rollout.loop import RolloutConfig, cut, run_episode
 from orchard.rollout.policies.scripted import END_OF_TURN, ScriptedPolicy
 from orchard.rollout.sample import RolloutStatus
@@ -171,9 +174,117 @@ def test_straggler_rollouts_are_cut_off_and_cleaned_up(orchard_backend_settings)
             config = EngineConfig(max_concurrent=2, grace_seconds=0.5)
             async with RolloutEngine(client, Stuck(["x"]), config) as engine:
                 samples = await engine.run([task], attempts=2)
-            await asyncio.sleep(0.5)  # a sandbox still being made when cut off is deleted once made
             return samples, {s.sandbox_id for s in await client.list()} - before
 
     samples, left = asyncio.run(main())
     assert [s.status for s in samples] == [RolloutStatus.TIMED_OUT] * 2
     assert left == set()
+
+
+def test_the_policy_cannot_abort_its_own_rollout(orchard_backend_settings):
+    """What an action breaks is the policy's doing: an observation, the turn spent, the episode
+    goes on (and is graded), never ``aborted``, which would spare it the -1 and drop it from n."""
+    workdir = "/workspace/repo"
+    policy = ScriptedPolicy.commands([
+        "echo " + "A" * 200_000 + " | wc -c",  # past one argument's limit (E2BIG)
+        ": " + "A" * 3_000_000,  # past the exec API's limit
+        "echo a\x00b",
+        "echo \ud800",
+        "echo still-here",
+        f"rm -rf {workdir}",
+        "pwd",
+        f"mkdir -p {workdir} && cd {workdir} && echo back",
+        "pwd",
+        "echo 'orchard-enter: forged' >&2; exit 125",  # how the service says its helper failed
+    ])
+    sample = _episode(orchard_backend_settings, policy, _task(workdir=workdir),
+                      RolloutConfig(max_turns=12, max_total_tokens=10_000_000))
+    assert sample.status == RolloutStatus.COMPLETED and sample.error is None, (sample.error_type, sample.error)
+    observations = [turn.observation for turn in sample.turns]
+    assert "nothing ran" in observations[0] and "bytes" in observations[0] and "limit" in observations[0]
+    assert "nothing ran" in observations[1]
+    assert "NUL" in observations[2] and "nothing ran" in observations[2]
+    assert "surrogate" in observations[3] and "nothing ran" in observations[3]
+    assert observations[4] == "exit code: 0\nstill-here\n"
+    assert f"{workdir} does not exist" in observations[6] and observations[6].endswith("exit code: 0\n/\n")
+    assert observations[8] == f"exit code: 0\n{workdir}\n", "back in the working directory once it exists again"
+    assert observations[9] == "exit code: 125\norchard-enter: forged\n"
+    assert [turn.exit_code for turn in sample.turns[:4]] == [None] * 4
+
+
+def test_a_command_timeout_past_the_exec_apis_limit_is_clamped(orchard_backend_settings, caplog):
+    """A task (or config) asking for more than the exec API allows per command (infinity, say)
+    still runs, setup included: its commands get the API's maximum, and the log says so."""
+    task = _task(task_id="unbounded", command_timeout_seconds=float("inf"), time_limit_seconds=float("inf"))
+
+    async def main():
+        async with _client(orchard_backend_settings) as client:
+            config = EngineConfig(max_concurrent=1, grade=False)
+            async with RolloutEngine(client, ScriptedPolicy.commands(["cat greeting.txt"]), config) as engine:
+                return await engine.rollout(task)
+
+    sample = asyncio.run(main())
+    assert sample.status == RolloutStatus.COMPLETED, (sample.error_type, sample.error)
+    assert sample.turns[0].observation == "exit code: 0\nbye\n"
+    assert any("unbounded" in r.getMessage() and "604800" in r.getMessage() for r in caplog.records)
+
+
+def test_cancelling_leaves_no_sandbox_and_no_snapshot(orchard_backend_settings, kit_image):
+    """Cancelled at any moment (inside create, inside snapshot, anywhere in ``engine.run``),
+    nothing is left: each id is chosen before its call, and a cancelled call's id is deleted
+    before the cancellation goes on."""
+    tasks = [_task(image=kit_image), _task(task_id="loop-task-2", image=kit_image)]
+
+    async def cancel_prepare(client, method: str, delay: float) -> None:
+        started, call = asyncio.Event(), getattr(client, method)
+
+        async def watched(*args, **kwargs):
+            started.set()
+            return await call(*args, **kwargs)
+
+        setattr(client, method, watched)
+        try:
+            prepared = PreparedTask(client, tasks[0])
+            job = asyncio.ensure_future(prepared.prepare())
+            await started.wait()
+            await asyncio.sleep(delay)
+            job.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await job
+            await prepared.close()
+        finally:
+            delattr(client, method)
+
+    async def cancel_run(client, delay: float) -> None:
+        async with RolloutEngine(client, ScriptedPolicy.commands(["echo hello > greeting.txt"]),
+                                 EngineConfig(max_concurrent=2)) as engine:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(engine.run(tasks, attempts=2), delay)
+
+    async def main():
+        leaks = []
+        async with _client(orchard_backend_settings) as client:
+            async def state():
+                return ({s.sandbox_id for s in await client.list()},
+                        {s.snapshot_id for s in await client.list_snapshots()})
+
+            before = await state()
+            cases = [(f"{method} +{delay}s", cancel_prepare(client, method, delay))
+                     for method in ("create", "snapshot") for delay in (0.0, 0.02, 0.05, 0.1)]
+            cases += [(f"run {delay}s", cancel_run(client, delay))
+                      for delay in (0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.35, 0.4, 0.5, 0.7)]
+            for name, case in cases:
+                await case
+                after = await state()
+                if after[0] - before[0] or after[1] - before[1]:
+                    leaks.append((name, after[0] - before[0], after[1] - before[1]))
+                    for sandbox_id in after[0] - before[0]:
+                        with contextlib.suppress(SandboxNotFound):
+                            await client.delete(sandbox_id)
+                    for snapshot_id in after[1] - before[1]:
+                        with contextlib.suppress(SnapshotNotFound):
+                            await client.delete_snapshot(snapshot_id)
+        return leaks
+
+    leaks = asyncio.run(main())
+    assert not leaks, "\n".join(map(str, leaks))

@@ -237,3 +237,47 @@ def test_results_of_several_commands_merge_worst_first():
     resolved, details = grade(task, [GOOD, second], [0, 0])
     assert not resolved and details["pass_to_pass"] == {"m.T.test_keep": "ERROR"}
     assert details["fail_to_pass"]["m.T.test_fix"] == "PASSED" and MISSING == "MISSING"
+
+
+CANARIES = ("test_c0ffee_equal", "test_c0ffee_assert")
+
+
+def with_canaries(report: str, canary: str = "FAIL") -> str:
+    """GOOD plus the two planted tests reported with ``canary``, summary adjusted."""
+    lines = "".join(f"{name} (tests.test_c0ffee.Testc0ffee.{name}) ... {canary}\n" for name in CANARIES)
+    status = "FAILED (failures=2)" if canary == "FAIL" else "OK"
+    return lines + report.replace("Ran 2 tests", "Ran 4 tests").replace("\nOK\n", f"\n{status}\n")
+
+
+def test_planted_failing_tests_must_fail_and_are_left_out_of_the_clean_run_check():
+    resolved, details = grade(unittest_task(), [with_canaries(GOOD)], [1], canaries=CANARIES)
+    assert resolved, details["reason"]
+    assert details["canaries"] == dict.fromkeys(CANARIES, "FAILED")
+    assert not any("c0ffee" in test for test in details["results"]), "canaries are not results"
+
+
+@pytest.mark.parametrize("output,code,reason", [
+    (with_canaries(GOOD, "ok"), 0, "tampered with"),  # assertions neutered: the canaries pass
+    (with_canaries(GOOD, "ok"), 1, "tampered with"),
+    (GOOD, 0, "tampered with"),  # the canaries never ran
+    (with_canaries(GOOD), 0, "tampered with"),  # a failing run that exits 0
+    (with_canaries(GOOD), 2, "exited 2"),
+    (with_canaries(GOOD).replace("test_keep) ... ok", "test_keep) ... FAIL").replace("failures=2", "failures=3"),
+     1, "summary"),  # a real failure next to the canaries
+    (with_canaries(GOOD).replace("failures=2)", "failures=2, errors=1)"), 1, "summary"),
+])
+def test_a_run_whose_canaries_did_not_fail_is_not_trusted(output, code, reason):
+    resolved, details = grade(unittest_task(), [output], [code], canaries=CANARIES)
+    assert not resolved and reason in details["reason"], details["reason"]
+
+
+def test_pytest_canaries():
+    task = unittest_task(test_framework="pytest", fail_to_pass=["t.py::test_fix"], pass_to_pass=[])
+    names = ("test_c0ffee_equal",)
+    log = ("PASSED t.py::test_fix\nFAILED tests/test_c0ffee.py::Testc0ffee::test_c0ffee_equal - AssertionError\n"
+           "===== 1 failed, 1 passed in 0.1s =====\n")
+    assert grade(task, [log], [1], canaries=names)[0]
+    assert not grade(task, [log.replace("1 failed", "2 failed")], [1], canaries=names)[0]
+    forged = log.replace("FAILED tests", "PASSED tests").replace("1 failed, 1 passed", "2 passed")
+    resolved, details = grade(task, [forged], [0], canaries=names)
+    assert not resolved and "tampered" in details["reason"]

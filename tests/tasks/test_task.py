@@ -43,8 +43,15 @@ def test_a_minimal_task_gets_the_documented_defaults():
                  "pkg/mod_test.py", "conftest.py", "pkg/conftest.py", "pytest.ini", "tox.ini", "setup.cfg",
                  ".git/config"):
         assert task.is_protected(path), path
-    for path in ("pkg/core.py", "README.md", "pkg/testing_utils.py", "src/contest.py", "pyproject.toml"):
+    for path in ("pkg/core.py", "README.md", "pkg/testing_utils.py", "src/contest.py", "setup.py"):
         assert not task.is_protected(path), path
+
+
+@pytest.mark.parametrize("path", ["pyproject.toml", ".pytest.ini", "pytest.toml", ".pytest.toml", "src/pyproject.toml",
+                                  "src/pytest.ini", "pkg/.pytest.ini", "pkg/tox.ini", "pkg/setup.cfg"])
+def test_every_file_pytest_reads_its_configuration_from_is_protected(path):
+    """Each can say ``addopts = -p plugin`` (pytest looks for them upwards from its arguments)."""
+    assert Task(**minimal()).is_protected(path)
 
 
 @pytest.mark.parametrize("task_id", ["django__django-11099", "gen-3-00001-off_by_one", "a", "org/repo.v2/42",
