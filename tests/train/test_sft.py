@@ -131,7 +131,8 @@ def test_train_sft_command(tokenizer, tmp_path):
                              "--global-batch", "4", "--micro-batch", "2", "--lr", "1e-3"],
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "4 steps" in result.stdout
+    # rows 0, 3 and 6 hold no assistant turn: nothing to train on, skipped and said so; 5 rows at 4 per step
+    assert "3 example(s) have no trained token" in result.stdout and "2 steps" in result.stdout
     assert (tmp_path / "out" / "final" / "config.json").exists() and (tmp_path / "out" / "loss.png").exists()
 
 
