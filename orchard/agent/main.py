@@ -75,8 +75,10 @@ def serve(settings: AgentSettings, uds: Optional[Path] = None, host: str = "127.
         if server.started:
             if uds is not None:
                 os.chmod(uds, 0o600)
-            info_path.write_text(json.dumps({"pid": os.getpid(), "address": address, "runtime": settings.runtime,
-                                             "version": __version__}))
+            staging = info_path.with_name("agent.json.partial")  # readers poll for the file: whole or not at all
+            staging.write_text(json.dumps({"pid": os.getpid(), "address": address, "runtime": settings.runtime,
+                                           "version": __version__}))
+            os.replace(staging, info_path)
 
     server.startup = startup  # type: ignore[method-assign]
     try:

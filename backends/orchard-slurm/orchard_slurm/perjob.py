@@ -202,7 +202,10 @@ async def _run(job: SandboxJob) -> None:
         token_path = agent_dir / "token"
         token_path.touch(mode=0o600)
         token_path.write_text(token)
-        (agent_dir / "agent.json").write_text(json.dumps({"address": f"http://{host}:{port}", "pid": container}))
+        # Whole or not at all: the service polls for this file and reads it as soon as it exists.
+        staging = agent_dir / "agent.json.partial"
+        staging.write_text(json.dumps({"address": f"http://{host}:{port}", "pid": container}))
+        os.replace(staging, agent_dir / "agent.json")
         await asyncio.wait([exited, loop.create_task(stopping.wait())], return_when=asyncio.FIRST_COMPLETED)
         server.close()
     finally:

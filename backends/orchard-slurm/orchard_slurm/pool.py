@@ -197,7 +197,7 @@ class PilotPool:
         deadline = time.monotonic() + self.config.pilot_start_timeout
         info_path, token_path = pilot.directory / "agent" / "agent.json", pilot.directory / "agent" / "token"
         try:
-            while not (info_path.exists() and token_path.exists()):
+            while not (info_path.exists() and token_path.exists() and _complete_json(info_path)):
                 await self.refresh(force=time.time() - pilot.submitted_at > 1)
                 if not pilot.alive:
                     why = self._startup_log(pilot)
@@ -390,3 +390,13 @@ class PilotPool:
         for pilot in self.pilots.values():
             if pilot.api is not None:
                 await pilot.api.close()
+
+
+def _complete_json(path: Path) -> bool:
+    """Whether ``path`` holds a whole JSON document (an agent from before atomic writes may
+    still be writing it when it first appears)."""
+    try:
+        json.loads(path.read_text())
+    except (OSError, ValueError):
+        return False
+    return True
