@@ -11,6 +11,7 @@ from typing import Any, ClassVar, Optional
 
 from pydantic import BaseModel, ConfigDict
 
+from orchard.backends.checks import Check
 from orchard.errors import Unsupported
 from orchard.models import Sandbox, SandboxSpec, Snapshot, SnapshotRequest
 
@@ -47,6 +48,14 @@ class Backend(ABC):
     def unavailable_reason(cls) -> Optional[str]:
         """None when this backend can run here, else why not (shown by ``orchard backends``)."""
         return None
+
+    @classmethod
+    def doctor(cls, settings: dict[str, Any]) -> list[Check]:
+        """What ``orchard doctor --backend NAME`` checks on this machine, each failure with the
+        command that fixes it; ``settings`` are the backend's (unvalidated) settings. Backends
+        override this with their own probes; by default it reports ``unavailable_reason``."""
+        reason = cls.unavailable_reason()
+        return [Check(f"{cls.name} backend", reason is None, reason or "available", reason, True)]
 
     @abstractmethod
     async def create(self, spec: SandboxSpec) -> Sandbox:

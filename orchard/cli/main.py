@@ -17,6 +17,8 @@ from orchard.cli.serve import serve
 from orchard.cli.tasks import tasks
 from orchard.cli.eval import evaluate
 from orchard.cli.pipeline import pipeline
+from orchard.cli.doctor import doctor
+from orchard.cli.conformance import conformance
 
 
 @click.group(cls=PluginGroup, context_settings={"help_option_names": ["-h", "--help"]})
@@ -58,6 +60,8 @@ cli.add_command(train)
 cli.add_command(tasks)
 cli.add_command(evaluate)
 cli.add_command(pipeline)
+cli.add_command(doctor)
+cli.add_command(conformance)
 
 
 def main() -> None:

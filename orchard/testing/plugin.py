@@ -1,7 +1,8 @@
 """Pytest plugin (entry point ``pytest11: orchard``): options and fixtures of the kit.
 
 ``--orchard-backend NAME`` (repeatable) chooses the backends the conformance tests
-run against (default: the test module's ``orchard_backends`` list, else local);
+run against (default: the test module's ``orchard_backends`` list, else local); given with no
+test paths, it runs the whole suite: ``pytest -p orchard.testing --orchard-backend NAME``;
 ``--orchard-backend-config FILE`` is a YAML or JSON mapping ``{backend name: settings}``
 validated by each backend's own config model.
 A project's conftest may instead override the ``orchard_backend_settings`` fixture.
@@ -14,6 +15,8 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
+
+SUITE = Path(__file__).with_name("conformance.py")  # imports isolation, hostile and snapshots
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -28,6 +31,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--orchard-unsupported", action="append", default=[], metavar="LIMIT",
                     help="a limit the backend declares it cannot enforce (memory, pids, cpu, disk): the kit then "
                          "checks that asking for it is refused with an error naming it (repeatable)")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """One command proves a backend: with ``--orchard-backend`` and no test paths on the
+    command line, the session collects the whole conformance suite (no test module to write)."""
+    if config.getoption("--orchard-backend") and config.args_source != pytest.Config.ArgsSource.ARGS:
+        config.args = [str(SUITE)]
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:

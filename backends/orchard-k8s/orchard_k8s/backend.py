@@ -15,11 +15,13 @@ from typing import Any, Callable, Optional
 
 from orchard.backends.agent_backed import AgentBackedBackend, AgentSite
 from orchard.backends.api import AgentEndpoint
+from orchard.backends.checks import Check
 from orchard.client.http import ApiClient
 from orchard.errors import BackendUnavailable, ImageRejected, InvalidRequest, SandboxConflict, SandboxNotFound
 from orchard.models import Sandbox, SandboxSpec
 from orchard.quantities import parse_memory
 from orchard_k8s import manifests, pods
+from orchard_k8s.checks import k8s_checks
 from orchard_k8s.config import K8sConfig
 
 
@@ -49,6 +51,10 @@ class KubernetesBackend(AgentBackedBackend):
         except ImportError:
             return "the kubernetes client is not installed (pip install kubernetes)"
         return None
+
+    @classmethod
+    def doctor(cls, settings: dict[str, Any]) -> list[Check]:
+        return k8s_checks(settings)
 
     def start_timeout(self, spec: SandboxSpec) -> float:
         return spec.timeout or self.config.start_timeout

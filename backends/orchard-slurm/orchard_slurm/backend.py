@@ -25,9 +25,11 @@ from typing import Any, Optional
 
 from orchard.backends.agent_backed import AgentBackedBackend, AgentSite
 from orchard.backends.api import RESET, SNAPSHOTS, AgentEndpoint
+from orchard.backends.checks import Check
 from orchard.errors import BackendUnavailable, InvalidRequest, QuotaExceeded, SandboxLost
 from orchard.models import SandboxSpec, Snapshot, SnapshotRequest
 from orchard.quantities import parse_memory
+from orchard_slurm.checks import slurm_checks
 from orchard_slurm.config import SlurmConfig
 from orchard_slurm.pool import Pilot, PilotPool
 
@@ -51,6 +53,10 @@ class SlurmBackend(AgentBackedBackend):
     def unavailable_reason(cls) -> Optional[str]:
         missing = [tool for tool in ("sbatch", "squeue", "scancel") if shutil.which(tool) is None]
         return f"Slurm commands not found: {', '.join(missing)}" if missing else None
+
+    @classmethod
+    def doctor(cls, settings: dict[str, Any]) -> list[Check]:
+        return slurm_checks(settings)
 
     # -- placement: a pilot job with room ----------------------------------------------
     def site(self, pilot: Pilot) -> AgentSite:

@@ -15,6 +15,8 @@ from pydantic import Field
 from orchard.agent.settings import AgentSettings
 from orchard.backends.agent_backed import AgentBackedBackend, AgentSite
 from orchard.backends.api import RESET, SNAPSHOTS, BackendConfig
+from orchard.backends.checks import Check
+from orchard.backends.local.checks import local_checks
 from orchard.backends.local.launcher import ensure_agent
 from orchard.client.http import ApiClient
 from orchard.errors import AgentUnreachable
@@ -42,6 +44,10 @@ class LocalBackend(AgentBackedBackend):
         if shutil.which("bwrap") is None:
             return "bubblewrap is not installed (apt-get install bubblewrap); runtime 'direct' only by name"
         return None
+
+    @classmethod
+    def doctor(cls, settings: dict[str, Any]) -> list[Check]:
+        return local_checks()
 
     def start_timeout(self, spec: SandboxSpec) -> float:
         return spec.timeout or self.config.agent.ready_timeout
