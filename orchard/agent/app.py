@@ -6,6 +6,7 @@ become the one error body shape; the SDK turns them back into the same exception
 from __future__ import annotations
 
 from contextlib import asynccontextmanager
+import secrets
 from typing import AsyncIterator, Callable, Optional
 
 from fastapi import FastAPI, Request
@@ -13,6 +14,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
 from orchard import __version__
+from orchard.agent.pty_route import add_pty_route
 from orchard.agent.service import AgentService
 from orchard.agent.tokens import token_matches
 from orchard.errors import OrchardError
@@ -27,7 +29,7 @@ class CallTracker:
         self.service = service
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
-        if scope["type"] == "http" and scope["path"] != "/health":
+        if scope["type"] in ("http", "websocket") and scope["path"] != "/health":
             self.service.touch()
         await self.app(scope, receive, send)
 
@@ -83,5 +85,15 @@ def create_app(service: AgentService, token: Optional[str]) -> FastAPI:
         """Liveness only: it needs no key, so it tells nothing (counts are in /resources)."""
         return {"status": "ok"}
 
+    def ws_authorized(given: Optional[str], sandbox_id: str) -> bool:
+        """The WebSocket route checks its own key (the middleware sees only HTTP)."""
+        if token is None:
+            return True
+        if not given:
+            return False
+        return secrets.compare_digest(given.encode(), token.encode()) or sandbox_scoped(
+            f"/sandboxes/{sandbox_id}/exec/pty", given)
+
     add_sandbox_routes(app, service)
+    add_pty_route(app, service, ws_authorized)
     return app

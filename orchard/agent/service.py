@@ -23,6 +23,7 @@ from orchard.agent.images import ImageStore
 from orchard.agent.inroot import exists_in_root
 from orchard.agent.jobs import JobRecord, JobRunner
 from orchard.agent.jobtable import JobTable
+from orchard.agent.pty_sessions import PtyTable
 from orchard.agent.reachable import unreachable_reason
 from orchard.agent.reaper import ChildReaper
 from orchard.agent.runtimes.api import IsolationRuntime, RuntimeContext
@@ -77,6 +78,7 @@ class AgentService(SnapshotOperations):
         self.file_slots = asyncio.Semaphore(settings.max_file_calls)
         self._tasks: set[asyncio.Task] = set()
         self.runtime: Optional[IsolationRuntime] = None
+        self.ptys = PtyTable(settings)
         self.snapshots = SnapshotStore(settings.state_dir / "snapshots", settings.max_snapshots,
                                        parse_bytes(settings.max_snapshot_bytes, "max_snapshot_bytes"))
 
@@ -167,7 +169,7 @@ class AgentService(SnapshotOperations):
 
     def idle_for(self) -> float:
         """Seconds with no sandbox, no running command and no call (0 while busy)."""
-        if self.sandboxes or self.jobs.running():
+        if self.sandboxes or self.jobs.running() or self.ptys.sessions:
             return 0.0
         return time.monotonic() - self.last_call
 
@@ -261,6 +263,7 @@ class AgentService(SnapshotOperations):
         if sandbox.cgroup is not None and sandbox.cgroup.oom_kills():
             reason += "; the memory limit was hit (OOM)"
         sandbox.status, sandbox.status_message = "lost", reason
+        self.ptys.end_sandbox(sandbox.sandbox_id, SandboxLost(f"sandbox {sandbox.sandbox_id!r} was lost: {reason}"))
         log.warning("sandbox %s lost: %s", sandbox.sandbox_id, reason)
         emit_event({"type": "lost", "sandbox_id": sandbox.sandbox_id, "time": time.time(), "reason": reason})
         self._spawn(self._release(sandbox))
@@ -302,6 +305,7 @@ class AgentService(SnapshotOperations):
         if sandbox.deleting:
             return
         sandbox.deleting = True
+        self.ptys.end_sandbox(sandbox_id, SandboxLost(f"sandbox {sandbox_id!r} was deleted"))
         if sandbox.status == "pending":
             await sandbox.ready_event.wait()  # let creation finish, then tear down what it built
         async with sandbox.lifecycle:  # a snapshot or reset under way finishes first

@@ -69,6 +69,14 @@ class AgentSettings(BaseModel):
     max_file_calls: int = Field(256, ge=1, description="file calls in flight over all sandboxes (more wait)")
     max_connections: int = Field(4096, ge=16, description="connections the agent serves at once (503 above)")
     max_list_entries: int = Field(10000, gt=0, description="most directory entries one files/list page returns")
+    max_ptys_per_sandbox: int = Field(16, ge=1, description="interactive processes (WS .../exec/pty) one sandbox may "
+                                      "have open at once; more are refused with an error frame")
+    max_ptys: int = Field(1024, ge=1, description="interactive processes over all sandboxes of this agent")
+    pty_idle_timeout_seconds: float = Field(3600, gt=0, description="an interactive process with no input and no "
+                                            "output for this long is killed")
+    pty_max_seconds: float = Field(86400, gt=0, description="an interactive process is killed after this long")
+    pty_detach_grace_seconds: float = Field(30, ge=0, description="after its connection drops, an interactive "
+                                            "process waits this long for the client to reattach, then is killed")
     cgroups_below_own: bool = Field(False, description="make sandbox cgroups below the agent's own (cgroup v1), so "
                                     "limits on the agent's cgroup, such as a Slurm job's, bound its sandboxes too")
 

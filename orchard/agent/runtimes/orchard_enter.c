@@ -29,6 +29,12 @@
  *   --lifeline FD  (with --hold) exit, and so end the sandbox, when FD reads end of file:
  *                  the agent holds the pipe's other end, so a container tool that keeps
  *                  its own supervisor (Podman's conmon) never outlives the agent.
+ *   --pty FD [--rows N --cols N]  run the command on a new pseudo-terminal allocated
+ *                  *inside* the sandbox (its own devpts instance, opened after the chroot
+ *                  and the id switch), never a host /dev/pts slave: the command gets only
+ *                  the slave of a terminal that belongs to the sandbox. The master goes to
+ *                  the agent over FD (a Unix socket, SCM_RIGHTS, with the command's pid);
+ *                  the command's wait status follows on FD as "exit N" or "signal N".
  *
  * Exit status 125 means the helper itself failed; its reason is on stderr.
  */
@@ -47,8 +53,10 @@
 #include <linux/nsfs.h>
 #include <sys/ioctl.h>
 #include <sys/prctl.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
+#include <termios.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -166,6 +174,71 @@ static int hold(int ready_fd, int lifeline) {
     }
 }
 
+static int pty_sock = -1, pty_rows = 24, pty_cols = 80;
+
+/* A master on the devpts of whatever mount namespace and root we are in now. */
+static int open_pty_master(void) {
+    int master = open("/dev/ptmx", O_RDWR | O_NOCTTY | O_CLOEXEC);
+    if (master < 0) die("open", "/dev/ptmx");
+    int unlock = 0;
+    if (ioctl(master, TIOCSPTLCK, &unlock) < 0) die("unlockpt", NULL);
+    struct winsize size = {.ws_row = (unsigned short)pty_rows, .ws_col = (unsigned short)pty_cols};
+    if (ioctl(master, TIOCSWINSZ, &size) < 0) die("TIOCSWINSZ", NULL);
+    return master;
+}
+
+/* In the command's process: a session of its own with the slave as controlling terminal. */
+static void pty_child(int master) {
+    if (setsid() < 0) die("setsid", NULL);
+    int slave = ioctl(master, TIOCGPTPEER, O_RDWR | O_NOCTTY);
+    if (slave < 0) {
+        unsigned int n;
+        char path[64];
+        if (ioctl(master, TIOCGPTN, &n) < 0) die("TIOCGPTN", NULL);
+        snprintf(path, sizeof path, "/dev/pts/%u", n);
+        slave = open(path, O_RDWR | O_NOCTTY);
+        if (slave < 0) die("open", path);
+    }
+    if (ioctl(slave, TIOCSCTTY, 0) < 0) die("TIOCSCTTY", NULL);
+    for (int fd = 0; fd < 3; fd++)
+        if (dup2(slave, fd) < 0) die("dup2", NULL);
+    if (slave > 2) close(slave);
+    close(master);
+    close(pty_sock);
+}
+
+/* Outside: hand the master and the pid to the agent, then report how the command ended. */
+static int pty_parent(pid_t child, int master) {
+    char data[32];
+    int n = snprintf(data, sizeof data, "%d", (int)child);
+    struct iovec iov = {.iov_base = data, .iov_len = (size_t)n};
+    union { char buf[CMSG_SPACE(sizeof(int))]; struct cmsghdr align; } control;
+    memset(&control, 0, sizeof control);
+    struct msghdr msg = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = control.buf,
+                         .msg_controllen = sizeof control.buf};
+    struct cmsghdr *cmsg = CMSG_FIRSTHDR(&msg);
+    cmsg->cmsg_level = SOL_SOCKET;
+    cmsg->cmsg_type = SCM_RIGHTS;
+    cmsg->cmsg_len = CMSG_LEN(sizeof(int));
+    memcpy(CMSG_DATA(cmsg), &master, sizeof(int));
+    if (sendmsg(pty_sock, &msg, MSG_NOSIGNAL) < 0) {
+        kill(child, SIGKILL);
+        die("sendmsg", NULL);
+    }
+    close(master);
+    signal(SIGINT, SIG_IGN);
+    signal(SIGQUIT, SIG_IGN);
+    signal(SIGHUP, SIG_IGN);
+    int status;
+    while (waitpid(child, &status, 0) < 0) {
+        if (errno != EINTR) die("waitpid", NULL);
+    }
+    n = WIFEXITED(status) ? snprintf(data, sizeof data, "exit %d", WEXITSTATUS(status))
+                          : snprintf(data, sizeof data, "signal %d", WTERMSIG(status));
+    send(pty_sock, data, (size_t)n, MSG_NOSIGNAL);
+    return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+}
+
 static int wait_and_relay(pid_t child) {
     int status;
     while (waitpid(child, &status, 0) < 0) {
@@ -196,6 +269,9 @@ int main(int argc, char **argv) {
         else if (!strcmp(argv[i], "--gid")) gid = strtol(argv[++i], NULL, 10);
         else if (!strcmp(argv[i], "--ready-fd")) ready_fd = (int)strtol(argv[++i], NULL, 10);
         else if (!strcmp(argv[i], "--lifeline")) lifeline = (int)strtol(argv[++i], NULL, 10);
+        else if (!strcmp(argv[i], "--pty")) pty_sock = (int)strtol(argv[++i], NULL, 10);
+        else if (!strcmp(argv[i], "--rows")) pty_rows = (int)strtol(argv[++i], NULL, 10);
+        else if (!strcmp(argv[i], "--cols")) pty_cols = (int)strtol(argv[++i], NULL, 10);
         else { fprintf(stderr, "orchard-enter: unknown option %s\n", argv[i]); return 125; }
     }
     if (holder) return hold(ready_fd, lifeline);
@@ -257,15 +333,18 @@ int main(int argc, char **argv) {
         if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) < 0) die("no_new_privs", NULL);
         switch_ids(uid, gid);
         clear_capability_sets();
+        int master = pty_sock >= 0 ? open_pty_master() : -1;
         pid_t child = fork();
         if (child < 0) die("fork", NULL);
         if (child > 0) {
+            if (master >= 0) return pty_parent(child, master);
             /* Stay out of the way of job control: the parent only relays the status. */
             signal(SIGINT, SIG_IGN);
             signal(SIGQUIT, SIG_IGN);
             return wait_and_relay(child);
         }
         prctl(PR_SET_PDEATHSIG, SIGKILL, 0, 0, 0);
+        if (master >= 0) pty_child(master);
     } else {
         switch_ids(uid, gid);
         /* After the id switch, which would clear it; kept across the exec that follows. */
@@ -276,6 +355,14 @@ int main(int argc, char **argv) {
             signal(SIGUSR2, SIG_IGN);
         }
         if (seccomp && prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) < 0) die("no_new_privs", NULL);
+        if (pty_sock >= 0) { /* in place (runtime direct): the same split as with --target */
+            int master = open_pty_master();
+            pid_t child = fork();
+            if (child < 0) die("fork", NULL);
+            if (child > 0) return pty_parent(child, master);
+            prctl(PR_SET_PDEATHSIG, SIGKILL, 0, 0, 0);
+            pty_child(master);
+        }
     }
     if (seccomp) {
         /* Nothing the agent holds reaches the command (its listening socket, in a container
