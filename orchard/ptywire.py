@@ -160,6 +160,13 @@ def refusal_code(exc: OrchardError) -> int:
     return CLOSE_NOT_READY
 
 
+async def refuse(ws: Any, protocol: Optional[str], exc: OrchardError) -> None:
+    """Refuse a starlette WebSocket with the close code for ``exc`` (accepted first: a
+    close code only exists after the handshake)."""
+    await ws.accept(subprotocol=protocol)
+    await ws.close(refusal_code(exc), close_reason(exc.message))
+
+
 def close_reason(message: str) -> str:
     """Close reasons are at most 123 bytes."""
     data = message.encode()[:120]

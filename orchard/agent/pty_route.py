@@ -24,11 +24,6 @@ INIT_TIMEOUT = 30.0
 DRAIN_LIMIT = 16  # chunks read after the process ended (a background writer must not keep us here)
 
 
-async def refuse(ws: WebSocket, protocol: Optional[str], exc: OrchardError) -> None:
-    await ws.accept(subprotocol=protocol)
-    await ws.close(ptywire.refusal_code(exc), ptywire.close_reason(exc.message))
-
-
 async def send_error_and_close(ws: WebSocket, exc: OrchardError) -> None:
     try:
         await ws.send_text(ptywire.error(exc))
@@ -144,7 +139,7 @@ def add_pty_route(app: FastAPI, service: "AgentService", authorized: Callable[[O
                 raise AuthenticationFailed("missing or wrong API key")
             sandbox = service._ready(sandbox_id)
         except OrchardError as exc:
-            await refuse(ws, protocol, exc)
+            await ptywire.refuse(ws, protocol, exc)
             return
         await ws.accept(subprotocol=protocol)
         try:

@@ -96,6 +96,9 @@ class ScopedApi:
     async def download(self, path: str, **kwargs: Any) -> tuple[Optional[int], AsyncIterator[bytes]]:
         return await self.api.download(path, headers={**(kwargs.pop("headers", None) or {}), **self.headers}, **kwargs)
 
+    async def websocket(self, path: str) -> aiohttp.ClientWebSocketResponse:
+        return await self.api.websocket(path, headers=self.headers)
+
 
 class ApiClient:
     """The session is opened on first use, in the loop that uses it (the sync SDK builds
@@ -201,6 +204,16 @@ class ApiClient:
                 response.release()
 
         return response.content_length, chunks()
+
+    async def websocket(self, path: str, headers: Optional[dict] = None) -> aiohttp.ClientWebSocketResponse:
+        """Open a WebSocket (the key goes in X-API-Key, never in the URL). A refusal before
+        the handshake is AgentUnreachable; one after it is the socket's close code."""
+        try:
+            return await self._open().ws_connect(f"{self.origin}{path}", headers=headers, autoping=True,
+                                                 heartbeat=None, max_msg_size=4 << 20,
+                                                 timeout=aiohttp.ClientWSTimeout(ws_close=10.0))
+        except (asyncio.TimeoutError, aiohttp.WSServerHandshakeError, *TRANSIENT_ERRORS) as exc:
+            raise AgentUnreachable(f"{self.url}{path}: {type(exc).__name__}: {exc}") from None
 
     @staticmethod
     def _error(status: int, content: bytes) -> OrchardError:

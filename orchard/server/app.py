@@ -18,6 +18,7 @@ from orchard import __version__
 from orchard.errors import OrchardError
 from orchard.routes import add_sandbox_routes
 from orchard.server.observability import Metrics, RequestLogMiddleware
+from orchard.server.pty_relay import add_pty_relay
 from orchard.server.reconciler import Reconciler
 from orchard.server.service import ServerService
 from orchard.webapi import ApiKeyMiddleware, BodyLimitMiddleware, validation_body
@@ -68,4 +69,5 @@ def create_app(service: ServerService, reconciler: Reconciler, api_key: Optional
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     add_sandbox_routes(app, service)
+    add_pty_relay(app, service, api_key)
     return app
