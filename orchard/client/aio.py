@@ -15,6 +15,8 @@ from typing import Any, AsyncIterator, Optional, Union
 from orchard.backends.api import Backend
 from orchard.backends.loading import load_backend  # noqa: F401  (re-exported)
 from orchard.client.http import ApiClient, ScopedApi
+from orchard.client.pty import AsyncPty
+from orchard.client.session import AsyncShellSession
 from orchard.errors import CommandFailed, ExecTimeout, SandboxLost
 from orchard.models import FileEntry, Job, PatchResult, Sandbox, SandboxSpec, Snapshot, SnapshotRequest
 
@@ -45,6 +47,9 @@ class GoneAgent:
     async def stream(self, *args: Any, **kwargs: Any) -> AsyncIterator[dict]:
         raise self.error
         yield {}  # pragma: no cover - makes this an async generator
+
+    async def websocket(self, *args: Any, **kwargs: Any) -> Any:
+        raise self.error
 
 
 class AsyncSandbox:
@@ -78,8 +83,13 @@ class AsyncSandbox:
 
     async def exec(self, command: Command, *, timeout: Optional[float] = None, idle_timeout: Optional[float] = None,
                    cwd: Optional[str] = None, env: Optional[dict[str, str]] = None, login_shell: bool = False,
-                   stdin: Optional[str] = None, job_id: Optional[str] = None, check: bool = False) -> Job:
-        """Run a command and return its job record (``check=True`` raises on failure)."""
+                   stdin: Optional[str] = None, job_id: Optional[str] = None, check: bool = False,
+                   pty: bool = False) -> Any:
+        """Run a command and return its job record (``check=True`` raises on failure); with
+        ``pty=True``, start it on a terminal and return its :class:`AsyncPty` handle."""
+        if pty:
+            argv = ["bash", "-c", command] if isinstance(command, str) else list(command)
+            return await self.pty(argv, env=env, cwd=cwd, login_shell=login_shell)
         body = self._exec_body(command, timeout=timeout, idle_timeout=idle_timeout, cwd=cwd, env=env,
                                login_shell=login_shell, stdin=stdin, job_id=job_id, wait=True)
         http_timeout = (timeout or 300.0) + HTTP_MARGIN
@@ -94,6 +104,19 @@ class AsyncSandbox:
         body = self._exec_body(command, timeout=timeout, idle_timeout=idle_timeout, cwd=cwd, env=env,
                                login_shell=login_shell, stdin=stdin, job_id=job_id, wait=False)
         return (await self.api.request("POST", f"/sandboxes/{self.id}/exec", json_body=body))["job_id"]
+
+    async def pty(self, cmd: Optional[list[str]] = None, *, env: Optional[dict[str, str]] = None,
+                  cwd: Optional[str] = None, rows: int = 24, cols: int = 80, login_shell: bool = False,
+                  attach: Optional[str] = None) -> AsyncPty:
+        """An interactive process on a terminal (default: the sandbox's shell); ``attach``
+        reattaches to one whose connection dropped (its ``session_id``)."""
+        return await AsyncPty.open(self.api, self.id, cmd, env=env, cwd=cwd, rows=rows, cols=cols,
+                                   login_shell=login_shell, attach=attach)
+
+    async def session(self, *, env: Optional[dict[str, str]] = None, cwd: Optional[str] = None,
+                      max_output_bytes: int = 1 << 20) -> AsyncShellSession:
+        """A persistent bash: ``await session.run("cd src && make")``; state persists."""
+        return await AsyncShellSession.start(self, env=env, cwd=cwd, max_output_bytes=max_output_bytes)
 
     async def job(self, job_id: str) -> Job:
         return Job(**await self.api.request("GET", f"/jobs/{job_id}"))

@@ -11,6 +11,7 @@ import threading
 from typing import Any, Awaitable, Callable, Iterator, Optional, TypeVar
 
 from orchard.client.aio import AsyncClient, AsyncSandbox, Command
+from orchard.client.sync_pty import SyncPty, SyncShellSession
 from orchard.models import FileEntry, Job, PatchResult, Sandbox, Snapshot
 
 T = TypeVar("T")
@@ -78,9 +79,19 @@ class SyncSandbox:
     def __exit__(self, *exc: object) -> None:
         self.delete()
 
-    def exec(self, command: Command, **options: Any) -> Job:
-        """Run a command; options as :meth:`AsyncSandbox.exec` (timeout, cwd, env, check, ...)."""
-        return self._portal.call(self._inner.exec(command, **options))
+    def exec(self, command: Command, **options: Any) -> Any:
+        """Run a command; options as :meth:`AsyncSandbox.exec` (timeout, cwd, env, check, ...);
+        ``pty=True`` returns a :class:`SyncPty`."""
+        result = self._portal.call(self._inner.exec(command, **options))
+        return SyncPty(self._portal, result) if options.get("pty") else result
+
+    def pty(self, cmd: Optional[list[str]] = None, **options: Any) -> SyncPty:
+        """An interactive process on a terminal; options as :meth:`AsyncSandbox.pty`."""
+        return SyncPty(self._portal, self._portal.call(self._inner.pty(cmd, **options)))
+
+    def session(self, **options: Any) -> SyncShellSession:
+        """A persistent bash whose cwd, environment and functions persist between ``run`` calls."""
+        return SyncShellSession(self._portal, self._portal.call(self._inner.session(**options)))
 
     def submit(self, command: Command, **options: Any) -> str:
         return self._portal.call(self._inner.submit(command, **options))
