@@ -221,3 +221,22 @@ def bundle(bundle_dir: Optional[Path], runs: int, output: Optional[Path]) -> Non
     from orchard.bench.bundle import run_bundle_bench
 
     report(run_bundle_bench(bundle_dir, runs), "agent bundle", output)
+
+
+@bench.command("session")
+@click.option("--image", default="host", show_default=True, help="an image with bash")
+@click.option("--samples", type=int, default=1000, show_default=True, help="commands timed, one after another")
+@click.option("--command", default="echo hi", show_default=True)
+@click.option("--output", type=click.Path(path_type=Path), default=None, help="write the JSON here")
+@click.option("--direct", is_flag=True, help="with --url: the terminal straight to the agent")
+@url_option
+@api_key_option
+@backend_option
+@handle_errors
+def session(image: str, samples: int, command: str, output: Optional[Path], direct: bool, url: Optional[str],
+            api_key: Optional[str], backend: str) -> None:
+    """Round trip of a command in a persistent shell session (p50 target: 10 ms)."""
+    from orchard.bench.session import run
+
+    result = with_client(url, api_key, backend, lambda client: run(client, image, samples, command), direct=direct)
+    report(result, f"orchard bench session --samples {samples}", output)
