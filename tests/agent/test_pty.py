@@ -3,38 +3,16 @@ exactly the original's frames: real processes on real terminals in real sandboxe
 
 from __future__ import annotations
 
-import httpx
-import pytest
-
 from tests.pty_frames import Frames, open_socket
 
 
-@pytest.fixture(scope="module")
-def agent(orchard_client):
-    """(url, key, http client) of the local agent."""
-    endpoint = orchard_client._portal.call(orchard_client._inner.backend.endpoint("any"))
-    http = httpx.Client(transport=httpx.HTTPTransport(uds=endpoint.url.removeprefix("unix://")),
-                        base_url="http://agent", headers={"X-API-Key": endpoint.token}, timeout=60)
-    yield endpoint.url, endpoint.token, http
-    http.close()
-
-
-@pytest.fixture(scope="module")
-def sandbox(agent, kit_image):
-    url, key, http = agent
-    created = http.post("/sandboxes", json={"image": kit_image}).json()
-    assert created["status"] == "ready", created
-    yield created
-    http.delete(f"/sandboxes/{created['sandbox_id']}")
-
-
-def pty(agent, sandbox_id: str, via: str = "query") -> Frames:
-    url, key, _ = agent
+def pty(pty_agent, sandbox_id: str, via: str = "query") -> Frames:
+    url, key, _ = pty_agent
     return Frames(open_socket(url, f"/sandboxes/{sandbox_id}/exec/pty", key, via=via))
 
 
-def test_python_repl(agent, sandbox):
-    term = pty(agent, sandbox["sandbox_id"])
+def test_python_repl(pty_agent, pty_sandbox):
+    term = pty(pty_agent, pty_sandbox["sandbox_id"])
     ready = term.init(["python3", "-q"], rows=30, cols=100)
     assert ready["type"] == "ready" and ready["pid"] > 0
     term.until_output(">>> ")
@@ -49,9 +27,9 @@ def test_python_repl(agent, sandbox):
     assert term.until_end() == {"type": "exit", "code": 3}
 
 
-def test_read_with_a_prompt_and_the_key_in_each_place(agent, sandbox):
+def test_read_with_a_prompt_and_the_key_in_each_place(pty_agent, pty_sandbox):
     for via in ("query", "protocol", "header"):
-        term = pty(agent, sandbox["sandbox_id"], via=via)
+        term = pty(pty_agent, pty_sandbox["sandbox_id"], via=via)
         assert term.init(["bash", "-c", 'read -p "name? " n; echo "hello $n"; exit 7'])["type"] == "ready"
         term.until_output("name? ")
         term.stdin("orchard\n")
@@ -59,8 +37,8 @@ def test_read_with_a_prompt_and_the_key_in_each_place(agent, sandbox):
         assert term.until_end() == {"type": "exit", "code": 7}
 
 
-def test_ctrl_c_and_signals(agent, sandbox):
-    term = pty(agent, sandbox["sandbox_id"])
+def test_ctrl_c_and_signals(pty_agent, pty_sandbox):
+    term = pty(pty_agent, pty_sandbox["sandbox_id"])
     term.init(["bash", "--norc"], env={"PS1": "$ "})
     # "sleep""ing" in the echoed input is not "sleeping": the output waits for the command
     # (Ctrl-C makes an interactive bash drop the rest of the line: $? is asked on the next one)
@@ -78,16 +56,16 @@ def test_ctrl_c_and_signals(agent, sandbox):
     assert term.until_end() == {"type": "exit", "code": -9}
 
 
-def test_close_frame_ends_the_process(agent, sandbox):
-    term = pty(agent, sandbox["sandbox_id"])
+def test_close_frame_ends_the_process(pty_agent, pty_sandbox):
+    term = pty(pty_agent, pty_sandbox["sandbox_id"])
     term.init(["sleep", "300"])
     term.send(type="close")
     assert term.until_end()["type"] == "exit"
 
 
-def test_runs_inside_the_sandbox_like_a_command(agent, sandbox):
+def test_runs_inside_the_sandbox_like_a_command(pty_agent, pty_sandbox):
     """Same uid, no capabilities, the sandbox's own terminal (not a host /dev/pts)."""
-    term = pty(agent, sandbox["sandbox_id"])
+    term = pty(pty_agent, pty_sandbox["sandbox_id"])
     term.init(["bash", "-c", "id -u; grep CapEff /proc/self/status; readlink /proc/self/fd/0; "
                              "grep Seccomp: /proc/self/status; echo done"])
     out = term.until_output("done").decode()
@@ -96,38 +74,38 @@ def test_runs_inside_the_sandbox_like_a_command(agent, sandbox):
     assert term.until_end() == {"type": "exit", "code": 0}
 
 
-def test_bad_frames_get_a_clear_error(agent, sandbox):
-    term = pty(agent, sandbox["sandbox_id"])
+def test_bad_frames_get_a_clear_error(pty_agent, pty_sandbox):
+    term = pty(pty_agent, pty_sandbox["sandbox_id"])
     term.send(type="stdin", data="aGk=")
     frame = term.until_end()
     assert frame["type"] == "error" and "init" in frame["message"]
-    term = pty(agent, sandbox["sandbox_id"])
+    term = pty(pty_agent, pty_sandbox["sandbox_id"])
     term.send(type="init", cmd=["true"], rows=-1)
     frame = term.until_end()
     assert frame["type"] == "error" and "rows" in frame["message"]
-    term = pty(agent, sandbox["sandbox_id"])
+    term = pty(pty_agent, pty_sandbox["sandbox_id"])
     term.init(["cat"])
     term.send(type="signal", sig="USR1")
     frame = term.until_end()
     assert frame["type"] == "error" and "sig" in frame["message"]
-    term = pty(agent, sandbox["sandbox_id"])
+    term = pty(pty_agent, pty_sandbox["sandbox_id"])
     frame = term.init(["no-such-program-here"])
     assert frame["type"] in ("ready", "error")
     assert term.until_end() if frame["type"] == "ready" else True
 
 
-def test_refusals_use_the_original_close_codes(agent, sandbox):
-    url, key, http = agent
-    sid = sandbox["sandbox_id"]
+def test_refusals_use_the_original_close_codes(pty_agent, pty_sandbox):
+    url, key, http = pty_agent
+    sid = pty_sandbox["sandbox_id"]
     assert Frames(open_socket(url, f"/sandboxes/{sid}/exec/pty", "wrong")).close_code() == 4401
     assert Frames(open_socket(url, f"/sandboxes/{sid}/exec/pty")).close_code() == 4401
     assert Frames(open_socket(url, "/sandboxes/sbx-nope/exec/pty", key)).close_code() == 4404
 
 
-def test_a_killed_sandbox_ends_the_socket_with_error(agent, kit_image):
-    _, _, http = agent
+def test_a_killed_sandbox_ends_the_socket_with_error(pty_agent, kit_image):
+    _, _, http = pty_agent
     sid = http.post("/sandboxes", json={"image": kit_image}).json()["sandbox_id"]
-    term = pty(agent, sid)
+    term = pty(pty_agent, sid)
     term.init(["bash", "-c", "echo started; sleep 300"])
     term.until_output("started")
     assert http.delete(f"/sandboxes/{sid}").status_code == 200

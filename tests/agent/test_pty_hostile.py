@@ -7,7 +7,7 @@ import concurrent.futures
 import json
 import time
 
-from tests.agent.test_pty import agent, pty, sandbox  # noqa: F401  (fixtures)
+from tests.agent.test_pty import pty
 from tests.conftest import TEST_STATE_DIR
 
 
@@ -16,9 +16,9 @@ def _agent_rss_kib() -> int:
     return int(next(line for line in open(f"/proc/{pid}/status") if line.startswith("VmRSS:")).split()[1])
 
 
-def test_a_flood_to_a_reader_that_never_reads(agent, sandbox):  # noqa: F811
+def test_a_flood_to_a_reader_that_never_reads(pty_agent, pty_sandbox):
     before = _agent_rss_kib()
-    term = pty(agent, sandbox["sandbox_id"])
+    term = pty(pty_agent, pty_sandbox["sandbox_id"])
     term.init(["bash", "-c", "while :; do cat /dev/zero | head -c 1048576; done"])
     samples = []
     for _ in range(6):  # the writer blocks once the socket's and the terminal's buffers are full
@@ -26,23 +26,23 @@ def test_a_flood_to_a_reader_that_never_reads(agent, sandbox):  # noqa: F811
         samples.append(_agent_rss_kib())
     assert max(samples) - before < 32 * 1024, f"agent RSS grew from {before} KiB: {samples}"
     term.ws.close()  # and the agent still serves others
-    other = pty(agent, sandbox["sandbox_id"])
+    other = pty(pty_agent, pty_sandbox["sandbox_id"])
     other.init(["echo", "fine"])
     other.until_output("fine")
 
 
-def test_a_hundred_terminals_at_once_hit_the_cap(agent, kit_image):  # noqa: F811
-    http = agent[2]
+def test_a_hundred_terminals_at_once_hit_the_cap(pty_agent, kit_image):
+    http = pty_agent[2]
     sid = http.post("/sandboxes", json={"image": kit_image}).json()["sandbox_id"]
     try:
-        _hundred(agent, sid)
+        _hundred(pty_agent, sid)
     finally:
         http.delete(f"/sandboxes/{sid}")
 
 
-def _hundred(agent, sid: str) -> None:  # noqa: F811
+def _hundred(pty_agent, sid: str) -> None:
     def one(_: int) -> dict:
-        term = pty(agent, sid)
+        term = pty(pty_agent, sid)
         term.send(type="init", cmd=["sleep", "30"])
         frame = term.next()
         if frame["type"] == "ready":
@@ -60,6 +60,6 @@ def _hundred(agent, sid: str) -> None:  # noqa: F811
         frame["term"].send(type="close")
         assert frame["term"].until_end()["type"] == "exit"
     # the slots come back once they are closed (the supervisor removes them at once)
-    term = pty(agent, sid)
+    term = pty(pty_agent, sid)
     assert term.init(["true"])["type"] == "ready"
     assert term.until_end() == {"type": "exit", "code": 0}
