@@ -98,3 +98,24 @@ def rm(sandbox_ids: tuple[str, ...], url: Optional[str], api_key: Optional[str],
         for sandbox_id in sandbox_ids:
             client.delete(sandbox_id)
             click.echo(f"deleted {sandbox_id}")
+
+
+@sandbox.command("shell")
+@click.argument("sandbox_id")
+@click.argument("command", nargs=-1)
+@url_option
+@api_key_option
+@backend_option
+@handle_errors
+def shell(sandbox_id: str, command: tuple[str, ...], url: Optional[str], api_key: Optional[str], backend: str) -> None:
+    """Open an interactive terminal in a sandbox (its shell, or COMMAND); exits with its code."""
+    import asyncio
+
+    from orchard.cli.shell import run_shell
+    from orchard.client.aio import AsyncClient
+
+    async def main() -> int:
+        async with AsyncClient(url, api_key, backend=None if url else backend) as client:
+            return await run_shell(client, sandbox_id, list(command) or None)
+
+    sys.exit(asyncio.run(main()))
