@@ -29,6 +29,15 @@ from orchard.agent.sandbox import SandboxState
 from orchard.errors import InternalError, InvalidRequest
 
 SPAWN_TIMEOUT = 30.0
+TIOCSIG = getattr(termios, "TIOCSIG", 0x40045436)  # pty master: signal the slave's foreground group
+
+
+def _pid_namespace(pid: object) -> Optional[tuple[int, int]]:
+    try:
+        st = os.stat(f"/proc/{pid}/ns/pid")
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
 
 
 def _sandbox_pid(host_pid: int) -> int:
@@ -56,8 +65,9 @@ class PtyProcess:
     """A started process and the agent's end of its terminal."""
 
     def __init__(self, master: int, control: socket.socket, helper_pid: int, pid: int,
-                 exited: "asyncio.Future[int]") -> None:
+                 exited: "asyncio.Future[int]", pid_namespace: Optional[tuple[int, int]] = None) -> None:
         self.master = master
+        self.pid_namespace = pid_namespace  # the sandbox's PID namespace: only its groups get signals
         self.control = control
         self.helper_pid = helper_pid
         self.pid = pid  # host pid of the process (its own session and process group)
@@ -98,7 +108,8 @@ class PtyProcess:
         finally:
             os.close(errors)
         os.set_blocking(master, False)
-        return cls(master, ours, helper_pid, pid, exited)
+        target = sandbox.placement.target_pid if sandbox.placement is not None else None
+        return cls(master, ours, helper_pid, pid, exited, _pid_namespace(target if target is not None else "self"))
 
     @staticmethod
     async def _receive_master(ours: socket.socket, exited: "asyncio.Future[int]", errors: int) -> tuple[int, int]:
@@ -164,14 +175,28 @@ class PtyProcess:
 
     def signal(self, sig: int) -> None:
         """To the terminal's foreground process group (what a key such as Ctrl-C reaches)
-        and to the process's own group."""
+        and to the process's own group.
+
+        The foreground group is the sandbox's to choose, and a group that emptied keeps its
+        number on the terminal although the host may have given that number to one of its
+        own processes since: INT and QUIT go through the terminal (TIOCSIG, the kernel's own
+        reference to the group), and a group is signalled by number only while its leader is
+        a live process of the sandbox's PID namespace."""
+        if self._exited.done():
+            return
         groups = {self.pid}
-        try:
-            groups.add(struct.unpack("i", fcntl.ioctl(self.master, termios.TIOCGPGRP, b"\0" * 4))[0])
-        except OSError:
-            pass
+        if sig in (signal.SIGINT, signal.SIGQUIT):
+            try:
+                fcntl.ioctl(self.master, TIOCSIG, sig)
+            except OSError:
+                pass
+        else:
+            try:
+                groups.add(struct.unpack("i", fcntl.ioctl(self.master, termios.TIOCGPGRP, b"\0" * 4))[0])
+            except OSError:
+                pass
         for group in groups:
-            if group > 0:
+            if group > 0 and self.pid_namespace is not None and _pid_namespace(group) == self.pid_namespace:
                 try:
                     os.killpg(group, sig)
                 except (ProcessLookupError, PermissionError):

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import os
+import secrets
+import subprocess
 import time
 
 from tests.agent.test_pty import pty
@@ -63,3 +66,74 @@ def _hundred(pty_agent, sid: str) -> None:
     term = pty(pty_agent, sid)
     assert term.init(["true"])["type"] == "ready"
     assert term.until_end() == {"type": "exit", "code": 0}
+
+
+_STALE_GROUP = r"""
+import os, signal, sys, time
+signal.signal(signal.SIGTTOU, signal.SIG_IGN)
+child = os.fork()
+if child == 0:
+    os.setpgid(0, 0)
+    while not os.path.exists("/tmp/stale-go"):
+        time.sleep(0.01)
+    os._exit(0)
+os.setpgid(child, child)
+os.tcsetpgrp(1, child)  # the terminal's foreground group: a group that is about to be empty
+print("child-ready", flush=True)
+os.waitpid(child, 0)
+print("group-stale", flush=True)
+time.sleep(300)
+"""
+
+
+def _host_pid_of_group_leader(marker: str) -> int:
+    """Host pid of the forked child (its own group, not a session leader) running ``marker``."""
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            if marker.encode() not in open(f"/proc/{entry}/cmdline", "rb").read():
+                continue
+            fields = open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        pgrp, session = int(fields[2]), int(fields[3])
+        if pgrp == int(entry) and session != int(entry):
+            return int(entry)
+    raise AssertionError(f"no process of {marker} found")
+
+
+def test_a_stale_foreground_group_never_gets_a_host_process_signalled(pty_agent, pty_sandbox):
+    """The terminal's foreground group is the sandbox's to set: once that group is empty its
+    number is free on the host (pid_max is small), and the agent, root outside the sandbox,
+    must not signal whatever host process group got it next."""
+    sid = pty_sandbox["sandbox_id"]
+    marker = f"stale-{secrets.token_hex(4)}"
+    term = pty(pty_agent, sid)
+    term.init(["python3", "-c", _STALE_GROUP, marker])
+    term.until_output("child-ready")
+    stale = _host_pid_of_group_leader(marker)
+    assert pty_agent[2].post(f"/sandboxes/{sid}/exec", json={"command": "touch /tmp/stale-go"}).status_code == 200
+    term.until_output("group-stale")
+    victim = None
+    for _ in range(20):  # a host process takes the freed number (others may fork in between: retry)
+        with open("/proc/sys/kernel/ns_last_pid", "w") as f:
+            f.write(str(stale - 1))
+        candidate = subprocess.Popen(["sleep", "60"], start_new_session=True)
+        if candidate.pid == stale:
+            victim = candidate
+            break
+        candidate.kill()
+        candidate.wait()
+    assert victim is not None, f"could not place a host process on pid {stale}"
+    try:
+        term.send(type="signal", sig="TERM")  # python, the session leader, ends with it
+        assert term.until_end() == {"type": "exit", "code": -15}
+        try:  # a signal to it is already delivered; its death takes a moment to show
+            victim.wait(timeout=2)
+        except subprocess.TimeoutExpired:
+            pass
+        assert victim.poll() is None, f"the agent signalled host process {stale}: {victim.returncode}"
+    finally:
+        victim.kill()
+        victim.wait()
