@@ -21,6 +21,7 @@ quickstart: system-deps venv  ## set up and run the main job on the local backen
 test: system-deps venv  ## set up and run the whole test suite (with a real single-node Slurm)
 	bash slurm/dev-cluster.sh up
 	$(VENV)/bin/pytest -q
+	$(VENV)/bin/pytest -q plugins/orchard-docker/tests  # against Podman's Docker API (started by its fixtures)
 
 system-deps:
 	@missing=""; for p in $(SYSTEM_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
@@ -31,11 +32,11 @@ system-deps:
 
 venv: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml plugins/orchard-remote-agent/pyproject.toml backends/orchard-slurm/pyproject.toml backends/orchard-k8s/pyproject.toml
+$(VENV)/.installed: pyproject.toml plugins/orchard-remote-agent/pyproject.toml plugins/orchard-docker/pyproject.toml backends/orchard-slurm/pyproject.toml backends/orchard-k8s/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==$(TORCH_VERSION)  # the CPU build on disk; an unpinned torch pulls a CUDA one
-	$(PIP) install -q -e '.[test,train]' -e plugins/orchard-remote-agent -e backends/orchard-slurm -e 'backends/orchard-k8s[test]'
+	$(PIP) install -q -e '.[test,train]' -e plugins/orchard-remote-agent -e 'plugins/orchard-docker[test]' -e backends/orchard-slurm -e 'backends/orchard-k8s[test]'
 	touch $@
 
 bench: system-deps venv  ## the figures of docs/benchmarks.md
