@@ -112,6 +112,7 @@ def test_another_sandboxs_key_and_sandboxes_are_refused(client, kit_image, docke
 def test_lost_containers_say_why(client, kit_image, engine):
     killed, removed = client.create(kit_image), client.create(kit_image)
     engine.kill(name_of(killed.id), "SIGKILL")
+    engine.wait(name_of(killed.id), timeout=60)  # bounded: the kill is asynchronous
     engine.remove_container(name_of(removed.id), force=True)
     listed = {s.sandbox_id: s for s in client.list()}
     assert listed[killed.id].status == "lost" and "exit code 137" in listed[killed.id].status_message
@@ -153,7 +154,8 @@ def test_doctor_passes_with_the_service_and_says_how_to_start_it_without(tmp_pat
     stopped = _doctor(settings)
     assert stopped.returncode == 1
     failed = [c for c in json.loads(stopped.stdout)["checks"] if not c["ok"]]
-    assert failed[0]["name"] == "engine socket" and f"podman system service --time=0 {service.url}" in failed[0]["fix"]
+    assert failed[0]["name"] in ("engine socket", "engine API")  # the socket file gone, or left with nobody behind it
+    assert f"podman system service --time=0 {service.url}" in failed[0]["fix"]
 
 
 def test_listed_and_core_works_without_the_plugin():
