@@ -43,12 +43,13 @@ class PodmanService:
 
     def podman(self, *args: str, timeout: float = 120, stdin: Optional[object] = None) -> subprocess.CompletedProcess:
         return subprocess.run(["podman", *args], env=self.env, capture_output=True, text=True, timeout=timeout,
-                              stdin=stdin)  # type: ignore[arg-type]
+                              stdin=stdin, cwd=self.root)  # type: ignore[arg-type]
 
     def start(self, timeout: float = 30.0) -> "PodmanService":
         log = open(self.root / "service.log", "ab")
         self.process = subprocess.Popen(["podman", "system", "service", "--time=0", self.url], env=self.env,
-                                        stdout=log, stderr=log, stdin=subprocess.DEVNULL)
+                                        stdout=log, stderr=log, stdin=subprocess.DEVNULL,
+                                        cwd=self.root)  # conmon writes an 'oom' file into its working directory
         log.close()
         deadline = time.monotonic() + timeout
         while not self.answers():
