@@ -150,6 +150,15 @@ class PtyProcess:
         except OSError:
             return b""
 
+    def write_now(self, data: bytes) -> int:
+        """How much of ``data`` the terminal took without waiting (all of it once the process is gone)."""
+        try:
+            return os.write(self.master, data)
+        except BlockingIOError:
+            return 0
+        except OSError:
+            return len(data)
+
     async def write(self, data: bytes) -> None:
         """All of ``data`` to the terminal's input; waits (back-pressure) while it is full."""
         view = memoryview(data)

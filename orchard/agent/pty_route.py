@@ -13,6 +13,7 @@ from fastapi import FastAPI, WebSocket
 from starlette.websockets import WebSocketDisconnect, WebSocketState
 
 from orchard import ptywire
+from orchard.agent.pty_process import PtyProcess
 from orchard.agent.pty_sessions import PtySession
 from orchard.errors import AuthenticationFailed, InvalidRequest, OrchardError
 
@@ -22,6 +23,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("orchard.agent")
 INIT_TIMEOUT = 30.0
 DRAIN_LIMIT = 16  # chunks read after the process ended (a background writer must not keep us here)
+STDIN_BACKLOG = ptywire.MAX_FRAME_BYTES  # stdin held while the process is not reading its terminal
 
 
 async def send_error_and_close(ws: WebSocket, exc: OrchardError) -> None:
@@ -76,26 +78,61 @@ async def pump_output(ws: WebSocket, session: PtySession) -> None:
     await ws.close(ptywire.CLOSE_NORMAL)
 
 
+class StdinWriter:
+    """Stdin to the terminal in order, off the loop that reads frames: a process that does not
+    read its terminal blocks only this, so a later signal, close or dropped connection is
+    still seen. Up to STDIN_BACKLOG bytes wait here; past that, frames wait in the socket."""
+
+    def __init__(self, process: PtyProcess) -> None:
+        self.process = process
+        self.queue: "asyncio.Queue[bytes]" = asyncio.Queue()
+        self.held = 0
+        self.room = asyncio.Event()
+        self.task = asyncio.ensure_future(self._run())
+
+    async def put(self, data: bytes) -> None:
+        if not self.held:  # nothing waits: write what fits now, in step with the frames around it
+            data = data[self.process.write_now(data):]
+            if not data:
+                return
+        while self.held >= STDIN_BACKLOG:
+            self.room.clear()
+            await self.room.wait()
+        self.held += len(data)
+        self.queue.put_nowait(data)
+
+    async def _run(self) -> None:
+        while True:
+            data = await self.queue.get()
+            await self.process.write(data)
+            self.held -= len(data)
+            self.room.set()
+
+
 async def pump_input(ws: WebSocket, session: PtySession) -> str:
     """Client frames to the process; returns "dropped" or "closed"."""
     process = session.process
-    while True:
-        message = await ws.receive()
-        if message["type"] == "websocket.disconnect":
-            return "dropped"
-        frame = ptywire.parse_frame(message.get("text") or message.get("bytes"))
-        if isinstance(frame, ptywire.StdinFrame):
-            session.touch()
-            await process.write(ptywire.decode_data(frame))
-        elif isinstance(frame, ptywire.SignalFrame):
-            process.signal(ptywire.SIGNALS[frame.sig])
-        elif isinstance(frame, ptywire.ResizeFrame):
-            process.resize(frame.rows, frame.cols)
-        elif isinstance(frame, ptywire.CloseFrame):
-            process.kill()
-            return "closed"
-        else:
-            raise InvalidRequest("type: init was already sent")
+    writer = StdinWriter(process)
+    try:
+        while True:
+            message = await ws.receive()
+            if message["type"] == "websocket.disconnect":
+                return "dropped"
+            frame = ptywire.parse_frame(message.get("text") or message.get("bytes"))
+            if isinstance(frame, ptywire.StdinFrame):
+                session.touch()
+                await writer.put(ptywire.decode_data(frame))
+            elif isinstance(frame, ptywire.SignalFrame):
+                process.signal(ptywire.SIGNALS[frame.sig])
+            elif isinstance(frame, ptywire.ResizeFrame):
+                process.resize(frame.rows, frame.cols)
+            elif isinstance(frame, ptywire.CloseFrame):
+                process.kill()
+                return "closed"
+            else:
+                raise InvalidRequest("type: init was already sent")
+    finally:
+        writer.task.cancel()
 
 
 async def drive(ws: WebSocket, service: "AgentService", session: PtySession) -> None:
