@@ -107,9 +107,11 @@ class AsyncShellSession:
         return await self._interrupt(timeout)
 
     async def _interrupt(self, timeout: Optional[float]) -> SessionResult:
-        resync = secrets.token_hex(12)
-        pattern = re.compile(f"\n__ORCHARD_{resync}_\\d+__\n".encode())
         for sig in ("INT", "TERM"):
+            # a marker of its own each time: the one written after INT, if it runs only after
+            # TERM, comes before this one and is cut, never left for the next command
+            resync = secrets.token_hex(12)
+            pattern = re.compile(f"\n__ORCHARD_{resync}_\\d+__\n".encode())
             await self.pty.kill(sig)
             await self.pty.write_stdin(f"\n{MARKER.format(nonce=resync)}\n")
             found = await self._until(pattern, INTERRUPT_GRACE)
