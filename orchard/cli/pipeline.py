@@ -17,8 +17,12 @@ from orchard.cli.common import handle_errors, out
               help="output directory (overrides the config's)")
 @click.option("--quick", is_flag=True, help="a short version (about 5 minutes on 2 CPU cores)")
 @click.option("--seed", type=int, default=None)
+@click.option("--seeds", default=None, metavar="0,1,2",
+              help="run every seed (into OUTPUT/seed-N) and report the seed-to-seed spread (OUTPUT/study.md)")
+@click.option("--ablations", is_flag=True, help="also SFT on the other data and RL with the other group samplers")
 @handle_errors
-def pipeline(config_file: Optional[Path], output: Optional[Path], quick: bool, seed: Optional[int]) -> None:
+def pipeline(config_file: Optional[Path], output: Optional[Path], quick: bool, seed: Optional[int],
+             seeds: Optional[str], ablations: bool) -> None:
     """Base model, expert trajectories, credit-assignment SFT, BAR+GRPO, held-out evaluation."""
     import yaml
 
@@ -36,7 +40,20 @@ def pipeline(config_file: Optional[Path], output: Optional[Path], quick: bool, s
         config = PipelineConfig(**settings)
     except (TypeError, ValueError) as exc:
         raise click.UsageError(f"pipeline config: {exc}") from None
-    report = run_pipeline(config)
+    if seeds is not None:
+        from orchard.pipeline.study import run_study
+
+        try:
+            chosen = [int(part) for part in seeds.split(",")]
+        except ValueError:
+            raise click.BadParameter(f"seeds must be integers separated by commas, not {seeds!r}",
+                                     param_hint="--seeds") from None
+        if seed is not None:
+            raise click.UsageError("give --seed or --seeds, not both")
+        run_study(config, chosen, ablations)
+        out.print(f"report: {config.output_dir / 'study.md'}")
+        return
+    report = run_pipeline(config, ablations=ablations)
     results = report["results"]
     out.print("held-out success: " + ", ".join(f"{k} {v['pass_rate']:.2f}" for k, v in results.items()))
     out.print(f"report: {config.output_dir / 'report.md'} and report.png")

@@ -103,8 +103,10 @@ def to_choice_task(task: Task, decoys: Sequence[str] = (), size: int = 6, seed: 
         files[f"{CANDIDATES}/{number[name]}.diff"] = diff
     listing = ", ".join(f"{n} {name}" for name, n in sorted(number.items(), key=lambda item: item[1]))
     title = task.problem_statement.strip().splitlines()[0]  # the examples below it are left out: short prompts
-    statement = (f"{title}\n\n{_call_path(task, fix_in, number)}\nCandidate fixes (apply one with "
-                 f"`git apply {CANDIDATES}/N.diff`): {listing}.")
+    # the call path comes last, nearest the answer: a model this small learns to read a frame a few
+    # tokens back within minutes, and does not learn it in the same budget when the list stands between
+    statement = (f"{title}\n\nCandidate fixes (apply one with `git apply {CANDIDATES}/N.diff`): {listing}.\n\n"
+                 f"{_call_path(task, fix_in, number)}")
     metadata = {**task.metadata, "choice": {"fix": str(number[fix_in]), "candidates": [str(n) for n in number.values()],
                                             "names": {str(n): name for name, n in number.items()}}}
     return task.model_copy(update={"task_id": f"{task.task_id}-choice", "files": files,

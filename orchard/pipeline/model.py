@@ -19,6 +19,7 @@ import torch
 
 from orchard.pipeline.expert import TEST_COMMAND, apply_command
 from orchard.rollout.actions import SUBMIT_TURN, bash_block
+from orchard.rollout.loop import RolloutConfig, task_messages
 from orchard.tasks import Task
 
 TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>\n{% endfor %}"
@@ -41,7 +42,7 @@ def random_conversation(task: Task, system: str, rng: random.Random) -> list[dic
     """A task acted on with a random candidate: the format, never the skill."""
     pick = rng.choice(task.metadata["choice"]["candidates"])
     verdict = "OK" if pick == task.metadata["choice"]["fix"] else f"FAILED (failures={rng.randint(1, 3)})"
-    return [{"role": "system", "content": system}, {"role": "user", "content": task.problem_statement},
+    return [*task_messages(task, RolloutConfig(system_prompt=system)),  # the prompt exactly as rollouts see it
             {"role": "assistant", "content": bash_block(apply_command(pick))},
             {"role": "user", "content": "exit code: 0"},
             {"role": "assistant", "content": bash_block(TEST_COMMAND)},

@@ -14,8 +14,7 @@ def markdown(report: dict[str, Any]) -> str:
     results, stages = report["results"], report["stages"]
     lines = ["# orchard pipeline", "", "Held-out success (pass@1 at the sampling temperature, Wilson 95% interval):", "",
              "| model | pass rate | 95% interval | attempts | by difficulty |", "|---|---|---|---|---|"]
-    for name in STAGES:
-        r = results[name]
+    for name, r in results.items():  # the recipe's stages, then any ablation arms
         levels = ", ".join(f"{k} {v:.2f}" for k, v in r["by_difficulty"].items())
         lines.append(f"| {name} | {r['pass_rate']:.3f} | {r['pass_rate_95'][0]:.3f}-{r['pass_rate_95'][1]:.3f} | "
                      f"{r['attempts']} | {levels} |")
@@ -30,6 +29,10 @@ def markdown(report: dict[str, Any]) -> str:
     credit = stages.get("credit assignment", {})
     if credit:
         lines += ["", f"Values for credit assignment: {credit.get('values')}."]
+    if len(results) > len(STAGES):
+        lines += ["", "Ablation arms: `sft (resolved|credit)` is SFT from the same base model on the other data "
+                      "built from the same expert trajectories; `sft+rl (sampler)` is RL from the same SFT weights "
+                      "with another group sampler and the same rollout budget."]
     return "\n".join(lines) + "\n"
 
 

@@ -12,6 +12,7 @@ backend in the config; the report (JSON, Markdown, PNG) says what ran.
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 import random
 import time
@@ -21,6 +22,7 @@ from typing import Any, Optional
 
 from orchard.pipeline.model import BaseModelConfig
 
+SAMPLERS = ("bar", "fixed", "dapo")
 SYSTEM = "You fix bugs in a git repository. Reply with one ```bash block per turn; a block holding only submit ends."
 
 
@@ -41,10 +43,11 @@ class PipelineConfig:
     teacher: Optional[dict] = field(default=None, metadata={"help": "{base_url, model}: an LLM teacher for V(t) "
                                                                    "(default: ground-truth values)"})
     sft_data: str = field(default="credit", metadata={"help": "credit (ascending segments) | resolved (ablation)"})
-    sft: dict = field(default_factory=lambda: {"epochs": 4, "learning_rate": 1e-3, "min_learning_rate": 1e-4,
+    sft: dict = field(default_factory=lambda: {"epochs": 20, "learning_rate": 1e-3, "min_learning_rate": 1e-4,
                                                "global_batch_size": 8, "micro_batch_size": 8})
-    rl: dict = field(default_factory=lambda: {"steps": 12, "tasks_per_step": 8, "group_size": 4, "max_rollouts": 8,
-                                              "stride": 4, "learning_rate": 3e-4, "micro_batch_size": 8})
+    rl: dict = field(default_factory=lambda: {"steps": 24, "rollout_budget": 384, "tasks_per_step": 8, "group_size": 4,
+                                              "max_rollouts": 8, "stride": 4, "learning_rate": 3e-4,
+                                              "micro_batch_size": 8})
     rollout: dict = field(default_factory=lambda: {"max_turns": 5, "max_tokens_per_turn": 48,
                                                    "max_total_tokens": 1024, "time_limit_seconds": 120})
     eval_attempts: int = field(default=2, metadata={"help": "attempts per held-out task and model"})
@@ -60,7 +63,7 @@ class PipelineConfig:
 
 
 QUICK = {"tasks": 160, "model": {"pretrain_steps": 100}, "expert_attempts": 1, "eval_attempts": 1,
-         "sft": {"epochs": 4, "learning_rate": 1e-3, "min_learning_rate": 1e-4, "global_batch_size": 8,
+         "sft": {"epochs": 20, "learning_rate": 1e-3, "min_learning_rate": 1e-4, "global_batch_size": 8,
                  "micro_batch_size": 8},
          "rl": {"steps": 4, "tasks_per_step": 6, "group_size": 4, "max_rollouts": 8, "stride": 4,
                 "learning_rate": 3e-4, "micro_batch_size": 8}}
@@ -79,7 +82,10 @@ class Pipeline:
 
             out.print(f"[green]{name}[/green] {self.report['stages'][name]}")
 
-    async def run(self) -> dict[str, Any]:
+    async def run(self, ablations: bool = False) -> dict[str, Any]:
+        """The recipe; with ``ablations``, also the other SFT data (from the same base model and
+        expert trajectories) and the other group samplers (from the same SFT weights, with the
+        same rollout budget), each evaluated on the same held-out tasks."""
         from orchard.client.aio import AsyncClient
 
         config = self.config
@@ -89,13 +95,25 @@ class Pipeline:
             self.client = client
             train, heldout = self.make_tasks()
             model, tokenizer = self.base_model(train)
+            base_weights = copy.deepcopy(model.state_dict())
             results = {"base": await self.evaluate("base", model, tokenizer, heldout)}
             trajectories = await self.expert_trajectories(train)
-            examples = await self.credit(trajectories, train)
-            self.sft(model, tokenizer, examples)
+            examples = await self.credit(trajectories, train, config.sft_data)
+            self.sft(model, tokenizer, examples, "sft")
             results["sft"] = await self.evaluate("sft", model, tokenizer, heldout)
-            await self.rl(model, tokenizer, train)
+            sft_weights = copy.deepcopy(model.state_dict())
+            await self.rl(model, tokenizer, train, config.rl.get("sampler", "bar"), "rl")
             results["sft+rl"] = await self.evaluate("sft+rl", model, tokenizer, heldout)
+            if ablations:
+                other = "resolved" if config.sft_data == "credit" else "credit"
+                model.load_state_dict(base_weights)
+                self.sft(model, tokenizer, await self.credit(trajectories, train, other), f"sft-{other}")
+                results[f"sft ({other})"] = await self.evaluate(f"sft ({other})", model, tokenizer, heldout)
+                for sampler in [s for s in SAMPLERS if s != config.rl.get("sampler", "bar")]:
+                    model.load_state_dict(sft_weights)
+                    await self.rl(model, tokenizer, train, sampler, f"rl-{sampler}")
+                    results[f"sft+rl ({sampler})"] = await self.evaluate(f"sft+rl ({sampler})", model, tokenizer,
+                                                                         heldout)
         self.report["results"] = results
         from orchard.pipeline.report import write_report
 
@@ -161,9 +179,9 @@ class Pipeline:
         from orchard.rollout.evaluation import summarize
 
         started = time.perf_counter()
-        async with self._engine(self._policy(model, tokenizer, len(self.report["stages"]))) as engine:
+        async with self._engine(self._policy(model, tokenizer, 1 + len(self.report["stages"]))) as engine:
             samples = await engine.run(heldout, self.config.eval_attempts, progress=self.progress)
-        with open(self.config.output_dir / f"eval-{name.replace('+', '-')}.jsonl", "w") as handle:
+        with open(self.config.output_dir / f"eval-{_slug(name)}.jsonl", "w") as handle:
             for sample in samples:
                 handle.write(json.dumps(sample.to_dict(tokens=False)) + "\n")
         report = summarize(samples, ks=(1,))
@@ -191,14 +209,14 @@ class Pipeline:
                     resolved=sum(t.resolved for t in trajectories))
         return trajectories
 
-    async def credit(self, trajectories: list, train: list) -> list[dict]:
+    async def credit(self, trajectories: list, train: list, sft_data: str) -> list[dict]:
         from orchard.pipeline.expert import GroundTruthValues
         from orchard.train.credit import save_jsonl
         from orchard.train.credit_pipeline import build_sft_dataset
 
         started = time.perf_counter()
         config = self.config
-        if config.sft_data == "resolved":
+        if sft_data == "resolved":
             chosen = [t for t in trajectories if t.resolved]
             examples = (await build_sft_dataset(chosen, GroundTruthValues(train), system=SYSTEM)).examples
             self._stage("sft data", started, kind="resolved trajectories only (ablation)", examples=len(examples))
@@ -213,10 +231,10 @@ class Pipeline:
             result = await build_sft_dataset(trajectories, estimator, system=SYSTEM)
             examples = result.examples
             self._stage("credit assignment", started, values=kind, **result.report)
-        save_jsonl(examples, config.output_dir / "sft.jsonl")
+        save_jsonl(examples, config.output_dir / ("sft.jsonl" if sft_data == "credit" else f"sft-{sft_data}.jsonl"))
         return examples
 
-    def sft(self, model: Any, tokenizer: Any, examples: list[dict]) -> None:
+    def sft(self, model: Any, tokenizer: Any, examples: list[dict], name: str) -> None:
         from orchard.train.sft_data import tokenize_example
         from orchard.train.sft_trainer import SFTConfig, SFTTrainer
 
@@ -228,29 +246,35 @@ class Pipeline:
         settings["micro_batch_size"] = min(settings.get("micro_batch_size", 8), settings["global_batch_size"])
         while settings["global_batch_size"] % settings["micro_batch_size"]:
             settings["micro_batch_size"] -= 1
-        trainer = SFTTrainer(model, tokenized, SFTConfig(output_dir=self.config.output_dir / "sft",
+        trainer = SFTTrainer(model, tokenized, SFTConfig(output_dir=self.config.output_dir / name,
                                                          seed=self.config.seed, **settings), tokenizer.pad_token_id)
         records = trainer.train()
         model.eval()
-        self._stage("sft", started, examples=len(tokenized), steps=trainer.step,
+        self._stage(name, started, examples=len(tokenized), steps=trainer.step,
                     loss_first=round(records[0]["loss"], 3) if records else None,
                     loss_last=round(records[-1]["loss"], 3) if records else None)
 
-    async def rl(self, model: Any, tokenizer: Any, train: list) -> None:
+    async def rl(self, model: Any, tokenizer: Any, train: list, sampler: str, name: str) -> None:
         from orchard.train.rl_config import RLConfig
         from orchard.train.rl_trainer import RLTrainer
 
         started = time.perf_counter()
-        config = RLConfig(output_dir=self.config.output_dir / "rl", seed=self.config.seed, **self.config.rl)
+        config = RLConfig(output_dir=self.config.output_dir / name, seed=self.config.seed,
+                          **{**self.config.rl, "sampler": sampler})
         async with self._engine(self._policy(model, tokenizer, 7)) as engine:
             trainer = RLTrainer(model, engine, train, config, pad_id=tokenizer.pad_token_id)
             records = await trainer.train(progress=self.progress)
         model.eval()
-        self._stage("rl", started, steps=trainer.step, sampler=config.sampler,
+        self._stage(name, started, steps=trainer.step, sampler=config.sampler,
                     success_first=records[0]["success_rate"] if records else None,
                     success_last=records[-1]["success_rate"] if records else None,
                     rollouts=sum(r["rollouts"] for r in records),
                     sandbox_errors=sum(r["sandbox_errors"] for r in records))
+
+
+def _slug(name: str) -> str:
+    """``sft+rl (dapo)`` -> ``sft-rl-dapo``: a stage's name as a file name."""
+    return "-".join("".join(c if c.isalnum() else " " for c in name).split())
 
 
 def _default_image() -> Path:
@@ -259,5 +283,5 @@ def _default_image() -> Path:
     return local_kit_image()
 
 
-def run_pipeline(config: PipelineConfig, progress: bool = True) -> dict[str, Any]:
-    return asyncio.run(Pipeline(config, progress).run())
+def run_pipeline(config: PipelineConfig, progress: bool = True, ablations: bool = False) -> dict[str, Any]:
+    return asyncio.run(Pipeline(config, progress).run(ablations))

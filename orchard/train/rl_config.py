@@ -16,6 +16,8 @@ GroupSampler = Literal["bar", "fixed", "dapo"]
 class RLConfig:
     output_dir: Path = field(metadata={"help": "checkpoints, metrics.jsonl, plots"})
     steps: int = field(default=150, metadata={"help": "optimizer steps (the original: up to 150)"})
+    rollout_budget: int = field(default=0, metadata={
+        "help": "stop once this many rollouts were drawn (0: no budget); samplers compared at equal rollouts"})
     tasks_per_step: int = field(default=16, metadata={"help": "prompts (tasks) per step: the rollout batch"})
     sampler: GroupSampler = field(default="bar", metadata={
         "help": "bar: BAR's balanced groups; fixed: G rollouts per task, all kept (the fixed-G baseline); "
@@ -45,6 +47,8 @@ class RLConfig:
             self.loss = GRPOLossConfig(**self.loss)
         if min(self.steps, self.tasks_per_step, self.group_size, self.micro_batch_size, self.inner_epochs) < 1:
             raise ValueError("steps, tasks_per_step, group_size, micro_batch_size and inner_epochs must be >= 1")
+        if self.rollout_budget < 0:
+            raise ValueError("rollout_budget must be >= 0 (0: no budget)")
         if self.sampler not in ("bar", "fixed", "dapo"):
             raise ValueError(f"sampler must be bar, fixed or dapo, not {self.sampler!r}")
         self.bar()  # checks the band and the budget

@@ -77,7 +77,7 @@ async def run(config: dict[str, Any], resume: Optional[Path] = None, progress: b
             if resume is not None:
                 trainer.resume(resume)
             records = await trainer.train(steps, progress=progress)
-    if trainer.step == trainer_config.steps:
+    if trainer.finished:
         model.save_pretrained(output / "final")
         tokenizer.save_pretrained(output / "final")
     return records

@@ -81,6 +81,7 @@ class RLTrainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: min(1.0, (step + 1) / config.warmup_steps) if config.warmup_steps else 1.0)
         self.step = 0
+        self.rollouts_spent = 0
         config.output_dir.mkdir(parents=True, exist_ok=True)
 
     # -- rollouts ----------------------------------------------------------------------
@@ -93,20 +94,26 @@ class RLTrainer:
         return await bar_sample(generate, self.config.bar())
 
     # -- one step ----------------------------------------------------------------------
+    @property
+    def finished(self) -> bool:
+        """All steps taken, or the rollout budget spent."""
+        budget = self.config.rollout_budget
+        return self.step >= self.config.steps or bool(budget and self.rollouts_spent >= budget)
+
     async def train(self, steps: Optional[int] = None, progress: bool = False) -> list[dict]:
-        """Train to ``config.steps`` (or ``steps`` more); returns the step records."""
+        """Train to ``config.steps`` or the rollout budget (or ``steps`` more); returns the step records."""
         from rich.progress import Progress
 
         target = self.config.steps if steps is None else min(self.config.steps, self.step + steps)
         records = []
         with Progress(disable=not progress, transient=True) as bar:
             task = bar.add_task("rl", total=self.config.steps, completed=self.step)
-            while self.step < target:
+            while self.step < target and not self.finished:
                 records.append(await self.train_step())
                 bar.update(task, completed=self.step)
                 if self.config.save_every and self.step % self.config.save_every == 0:
                     self.save()
-        if self.step == self.config.steps:
+        if self.finished:
             self.save()
             self.plot()
         return records
@@ -145,6 +152,7 @@ class RLTrainer:
         if samples:
             await self.weight_sync.push(self.model, self.step + 1)
         self.step += 1
+        self.rollouts_spent += sum(len(selection.pool) for selection in selections)
         record = self._record(selections, samples, stats, rollout_seconds, time.perf_counter() - began)
         with open(self.config.output_dir / "metrics.jsonl", "a") as log:
             log.write(json.dumps(record) + "\n")
@@ -213,7 +221,7 @@ class RLTrainer:
             "step": self.step, "tasks": len(selections), "samples": len(samples),
             "reward": sum(s.reward for s in samples) / len(samples) if samples else None,
             "success_rate": sum(s.resolved for s in valid) / len(valid) if valid else None,
-            "rollouts": len(pool), "rollouts_per_task": len(pool) / max(len(selections), 1),
+            "rollouts": len(pool), "rollouts_spent": self.rollouts_spent, "rollouts_per_task": len(pool) / max(len(selections), 1),
             "fallback_rate": sum(s.fallback is not None for s in selections) / max(len(selections), 1),
             "informative_groups": sum(s.informative for s in selections if s.group),
             "sandbox_errors": sum(s.status.value == "aborted" for s in pool),
@@ -226,6 +234,7 @@ class RLTrainer:
         path = self.config.output_dir / f"checkpoint-{self.step}"
         path.mkdir(parents=True, exist_ok=True)
         torch.save({"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(), "step": self.step,
+                    "rollouts_spent": self.rollouts_spent,
                     "scheduler": self.scheduler.state_dict(),
                     "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
                     "loader": self.loader.state_dict(), "band": self.band.state_dict() if self.band else None,
@@ -239,6 +248,7 @@ class RLTrainer:
         if state.get("scheduler") is not None:
             self.scheduler.load_state_dict(state["scheduler"])
         self.step = state["step"]
+        self.rollouts_spent = state.get("rollouts_spent", 0)
         torch.set_rng_state(state["rng"]["torch"])
         random.setstate(state["rng"]["python"])
         self.loader.load_state_dict(state["loader"])

@@ -67,6 +67,19 @@ def test_a_step_trains_on_balanced_groups_and_logs_metrics(orchard_backend_setti
     assert (tmp_path / "checkpoint-2" / "state.pt").exists() and (tmp_path / "training.png").exists()
 
 
+def test_training_stops_when_the_rollout_budget_is_spent(orchard_backend_settings, tasks, tmp_path):
+    """fixed-G spends exactly tasks_per_step * G a step: a budget of 10 ends after the step
+    that crosses it (3 steps of 4), well before ``steps``, and a final checkpoint is written."""
+    config = RLConfig(output_dir=tmp_path, steps=50, rollout_budget=10, sampler="fixed", tasks_per_step=2,
+                      group_size=2, learning_rate=1e-2)
+    trainer, records = _run(orchard_backend_settings, tasks, config, NoisyOraclePolicy(tasks, 0.5, seed=2,
+                                                                                         tokenized=True), steps=None)
+    assert [r["rollouts_spent"] for r in records] == [4, 8, 12]
+    assert trainer.finished and trainer.step == 3 and (tmp_path / "checkpoint-3" / "state.pt").exists()
+    with pytest.raises(ValueError, match="rollout_budget"):
+        RLConfig(output_dir=tmp_path, rollout_budget=-1)
+
+
 def test_dapo_trains_only_on_groups_with_both_outcomes(orchard_backend_settings, tasks, tmp_path):
     config = RLConfig(output_dir=tmp_path, steps=1, tasks_per_step=2, group_size=2, sampler="dapo",
                       dapo_max_batches=3, learning_rate=1e-3)

@@ -1,0 +1,90 @@
+"""The pipeline over several seeds, with its ablations: is each gap larger than the seed-to-seed spread?
+
+Each seed is a whole run (its own tasks, base model, expert, SFT and RL) in ``seed-N/``. The
+summary gives, per model (``base``, ``sft``, ``sft+rl`` and any ablation arm), the held-out
+success of every seed, the mean and the sample standard deviation across seeds, and for
+each comparison the per-seed (paired) gaps. A gap counts as *beyond the seed spread* when
+the difference of the means exceeds the sum of the two models' standard deviations and
+every seed's own gap has the same sign: a conservative reading for three to five seeds.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Any, Sequence
+
+from orchard.pipeline.run import PipelineConfig, run_pipeline
+
+# (worse, better) pairs the recipe claims, then the ablations' pairs
+COMPARISONS = (("base", "sft"), ("sft", "sft+rl"), ("sft (resolved)", "sft"),
+               ("sft+rl (fixed)", "sft+rl"), ("sft+rl (dapo)", "sft+rl"))
+
+
+def summarize(per_seed: dict[int, dict[str, float]]) -> dict[str, Any]:
+    """``per_seed``: seed -> model -> held-out success."""
+    models = [m for m in next(iter(per_seed.values()))]
+    table = {}
+    for model in models:
+        values = [per_seed[seed][model] for seed in per_seed]
+        table[model] = {"values": values, "mean": statistics.fmean(values),
+                        "std": statistics.stdev(values) if len(values) > 1 else 0.0}
+    gaps = []
+    for worse, better in COMPARISONS:
+        if worse not in table or better not in table:
+            continue
+        paired = [per_seed[seed][better] - per_seed[seed][worse] for seed in per_seed]
+        mean_gap = table[better]["mean"] - table[worse]["mean"]
+        spread = table[better]["std"] + table[worse]["std"]
+        same_sign = all(g > 0 for g in paired) or all(g < 0 for g in paired)
+        gaps.append({"from": worse, "to": better, "gap": mean_gap, "paired": paired, "spread": spread,
+                     "beyond_spread": len(paired) > 1 and abs(mean_gap) > spread and same_sign})
+    return {"seeds": list(per_seed), "models": table, "gaps": gaps}
+
+
+def markdown(summary: dict[str, Any]) -> str:
+    seeds = summary["seeds"]
+    lines = ["# orchard pipeline over seeds", "", f"Held-out success per seed ({', '.join(map(str, seeds))}), "
+             "mean and standard deviation across seeds:", "",
+             "| model | " + " | ".join(f"seed {s}" for s in seeds) + " | mean | std |",
+             "|---|" + "---|" * (len(seeds) + 2)]
+    for model, row in summary["models"].items():
+        lines.append(f"| {model} | " + " | ".join(f"{v:.3f}" for v in row["values"])
+                     + f" | {row['mean']:.3f} | {row['std']:.3f} |")
+    lines += ["", "| comparison | gap of means | per-seed gaps | sum of stds | beyond the seed spread |",
+              "|---|---|---|---|---|"]
+    for gap in summary["gaps"]:
+        lines.append(f"| {gap['from']} -> {gap['to']} | {gap['gap']:+.3f} | "
+                     + ", ".join(f"{g:+.3f}" for g in gap["paired"])
+                     + f" | {gap['spread']:.3f} | {'yes' if gap['beyond_spread'] else 'no'} |")
+    return "\n".join(lines) + "\n"
+
+
+def _finished(config: PipelineConfig, ablations: bool) -> dict[str, Any] | None:
+    """The report of an earlier run of exactly this configuration (and arms), if there is one."""
+    path = config.output_dir / "report.json"
+    if not path.exists():
+        return None
+    report = json.loads(path.read_text())
+    same = report.get("config") == json.loads(json.dumps(asdict(config), default=str))
+    return report if same and (len(report["results"]) > 3) == ablations else None
+
+
+def run_study(config: PipelineConfig, seeds: Sequence[int], ablations: bool = False,
+              progress: bool = True) -> dict[str, Any]:
+    """Every seed's pipeline (a seed already run with exactly this configuration is read back,
+    so a stopped study resumes), then the summary in ``study.json`` and ``study.md``."""
+    if len(set(seeds)) != len(seeds) or not seeds:
+        raise ValueError("seeds must be distinct and at least one")
+    root = Path(config.output_dir)
+    per_seed: dict[int, dict[str, float]] = {}
+    for seed in seeds:
+        seed_config = replace(config, seed=seed, output_dir=root / f"seed-{seed}")
+        report = _finished(seed_config, ablations) or run_pipeline(seed_config, progress, ablations)
+        per_seed[seed] = {model: r["pass_rate"] for model, r in report["results"].items()}
+    summary = summarize(per_seed)
+    (root / "study.json").write_text(json.dumps(summary, indent=2))
+    (root / "study.md").write_text(markdown(summary))
+    return summary

@@ -1,0 +1,60 @@
+"""The pipeline over seeds: the summary's arithmetic, and a real two-seed study with its ablation arms."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+from click.testing import CliRunner
+
+from orchard.cli.main import cli
+from orchard.pipeline.study import summarize
+
+
+def test_a_gap_is_beyond_the_spread_only_when_means_differ_by_more_than_both_stds_and_every_seed_agrees():
+    summary = summarize({0: {"base": 0.10, "sft": 0.40, "sft+rl": 0.45},
+                         1: {"base": 0.12, "sft": 0.42, "sft+rl": 0.41},
+                         2: {"base": 0.08, "sft": 0.38, "sft+rl": 0.50}})
+    gaps = {(g["from"], g["to"]): g for g in summary["gaps"]}
+    assert summary["models"]["base"]["mean"] == pytest.approx(0.10)
+    assert summary["models"]["base"]["std"] == pytest.approx(0.02)
+    assert gaps[("base", "sft")]["beyond_spread"] and gaps[("base", "sft")]["gap"] == pytest.approx(0.30)
+    assert gaps[("sft", "sft+rl")]["paired"] == pytest.approx([0.05, -0.01, 0.12])
+    assert not gaps[("sft", "sft+rl")]["beyond_spread"], "one seed went down"
+    assert ("sft+rl (dapo)", "sft+rl") not in gaps, "arms that did not run are not compared"
+    one = summarize({0: {"base": 0.1, "sft": 0.9}})
+    assert not one["gaps"][0]["beyond_spread"], "one seed has no spread to be beyond"
+
+
+def test_a_two_seed_study_runs_every_arm_and_resumes_without_rerunning(orchard_backend_settings, kit_image,
+                                                                       tmp_path):
+    config = {"backend": {"name": "local", "settings": orchard_backend_settings["local"]}, "image": kit_image,
+              "tasks": 16, "model": {"pretrain_steps": 2, "hidden_size": 32, "layers": 1, "heads": 2},
+              "sft": {"epochs": 1, "global_batch_size": 4, "micro_batch_size": 4},
+              "rl": {"steps": 5, "rollout_budget": 4, "tasks_per_step": 2, "group_size": 2, "max_rollouts": 4,
+                     "stride": 2},
+              "eval_attempts": 1, "concurrency": 4}
+    (tmp_path / "pipeline.yaml").write_text(yaml.safe_dump(config))
+    args = ["pipeline", "--config", str(tmp_path / "pipeline.yaml"), "--output", str(tmp_path / "study"),
+            "--seeds", "3,4", "--ablations"]
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 0, result.output
+    summary = json.loads((tmp_path / "study" / "study.json").read_text())
+    assert summary["seeds"] == [3, 4]
+    assert set(summary["models"]) == {"base", "sft", "sft+rl", "sft (resolved)", "sft+rl (fixed)", "sft+rl (dapo)"}
+    for seed in (3, 4):
+        run = tmp_path / "study" / f"seed-{seed}"
+        report = json.loads((run / "report.json").read_text())
+        assert report["config"]["seed"] == seed
+        spent = {name: json.loads((run / name / "metrics.jsonl").read_text().splitlines()[-1])["rollouts_spent"]
+                 for name in ("rl", "rl-fixed", "rl-dapo")}
+        assert all(4 <= n <= 4 + 3 * 2 * 4 for n in spent.values()), f"each sampler stops at its budget: {spent}"
+        assert (run / "sft-resolved.jsonl").exists() and (run / "eval-sft-rl-dapo.jsonl").exists()
+    assert "beyond the seed spread" in (tmp_path / "study" / "study.md").read_text()
+    stamp = (tmp_path / "study" / "seed-3" / "report.json").stat().st_mtime_ns
+    again = CliRunner().invoke(cli, args)
+    assert again.exit_code == 0, again.output
+    assert (tmp_path / "study" / "seed-3" / "report.json").stat().st_mtime_ns == stamp, "finished seeds are read back"
+    bad = CliRunner().invoke(cli, ["pipeline", "--seeds", "0,x"])
+    assert bad.exit_code != 0 and "--seeds" in bad.output
