@@ -114,9 +114,11 @@ class AsyncSandbox:
                                    login_shell=login_shell, attach=attach)
 
     async def session(self, *, env: Optional[dict[str, str]] = None, cwd: Optional[str] = None,
-                      max_output_bytes: int = 1 << 20) -> AsyncShellSession:
-        """A persistent bash: ``await session.run("cd src && make")``; state persists."""
-        return await AsyncShellSession.start(self, env=env, cwd=cwd, max_output_bytes=max_output_bytes)
+                      max_output_bytes: int = 1 << 20, timeout: float = 30.0) -> AsyncShellSession:
+        """A persistent bash: ``await session.run("cd src && make")``; state persists.
+        ``timeout``: seconds for the shell to come up."""
+        return await AsyncShellSession.start(self, env=env, cwd=cwd, max_output_bytes=max_output_bytes,
+                                             timeout=timeout)
 
     async def job(self, job_id: str) -> Job:
         return Job(**await self.api.request("GET", f"/jobs/{job_id}"))

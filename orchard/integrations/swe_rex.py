@@ -7,7 +7,9 @@ speaking SWE-ReX's abstract interfaces, so SWE-agent runs its sessions in Orchar
     await runtime.create_session(CreateBashSessionRequest())
     await runtime.run_in_session(BashAction(command="cd /repo && export X=1"))
 
-Sessions are replayed shell state over Orchard's per-command exec (``shell_sessions.py``).
+Each SWE-ReX session is a real long-lived bash on a terminal in the sandbox
+(:meth:`AsyncSandbox.session`): directory, variables (exported or not), functions, aliases
+and shell options persist, and ``exit`` ends the session as it would in SWE-ReX's own.
 Errors come back as SWE-ReX's own types (``NonZeroExitCodeError``, ``CommandTimeoutError``,
 ``SessionExistsError``, ``SessionDoesNotExistError``, ``DeploymentNotStartedError``), so
 harness code that catches them keeps working; Orchard's typed errors (``SandboxLost``)
@@ -36,7 +38,7 @@ from swerex.runtime.abstract import (AbstractRuntime, BashInterruptAction, BashO
 
 from orchard.client.aio import AsyncClient, AsyncSandbox
 from orchard.errors import FileOperationFailed, Unsupported
-from orchard.integrations import shell_sessions
+from orchard.client.session import AsyncShellSession, SessionDied
 
 logger = logging.getLogger("orchard.swe_rex")
 
@@ -47,7 +49,7 @@ class OrchardRuntime(AbstractRuntime):
     def __init__(self, sandbox: AsyncSandbox, *, logger: Optional[logging.Logger] = None) -> None:
         self.sandbox = sandbox
         self.logger = logger or globals()["logger"]
-        self.sessions: set[str] = set()
+        self.sessions: dict[str, AsyncShellSession] = {}
 
     async def is_alive(self, *, timeout: float | None = None) -> IsAliveResponse:
         info = await self.sandbox.refresh()
@@ -56,38 +58,50 @@ class OrchardRuntime(AbstractRuntime):
     async def create_session(self, request: Any) -> CreateBashSessionResponse:
         if request.session in self.sessions:
             raise SessionExistsError(f"session {request.session} already exists")
-        command = shell_sessions.start_command(request.session, list(request.startup_source))
-        job = await self.sandbox.exec(command, timeout=max(request.startup_timeout, 1.0) + 30)
-        if job.error_type is not None or job.exit_code != 0:
-            raise NonZeroExitCodeError(f"session {request.session!r} did not start: {job.stdout}{job.stderr}")
-        self.sessions.add(request.session)
-        return CreateBashSessionResponse(output=job.stdout)
+        session = await self.sandbox.session(timeout=max(request.startup_timeout, 1.0) + 30)
+        output = []
+        for path in request.startup_source:
+            result = await session.run(f". {shlex.quote(path)}", timeout=max(request.startup_timeout, 1.0))
+            output.append(result.output)
+            if result.timed_out or result.exit_code != 0:
+                await session.close()
+                raise NonZeroExitCodeError(f"session {request.session!r} did not start: sourcing {path} "
+                                           f"{'timed out' if result.timed_out else f'exited {result.exit_code}'}: "
+                                           f"{result.output}")
+        self.sessions[request.session] = session
+        return CreateBashSessionResponse(output="".join(output))
+
+    def _session(self, name: str) -> AsyncShellSession:
+        if name not in self.sessions:
+            raise SessionDoesNotExistError(f"session {name!r} does not exist")
+        return self.sessions[name]
 
     async def run_in_session(self, action: Any) -> BashObservation:
-        if action.session not in self.sessions:
-            raise SessionDoesNotExistError(f"session {action.session!r} does not exist")
-        if isinstance(action, BashInterruptAction):  # nothing runs between calls: nothing to interrupt
+        session = self._session(action.session)
+        if isinstance(action, BashInterruptAction):  # a command runs only inside run_in_session: nothing to stop
             return BashObservation(output="", exit_code=0)
         if action.is_interactive_command or action.is_interactive_quit or action.expect:
-            raise Unsupported("interactive session commands (is_interactive_command, expect) need a terminal; "
-                              "Orchard sessions run each command to completion")
-        job = await self.sandbox.exec(shell_sessions.session_command(action.session, action.command),
-                                      timeout=action.timeout)
-        output = job.stdout + job.stderr
-        if job.error_type == "timeout":
+            raise Unsupported("interactive session commands (is_interactive_command, expect) are not mapped yet; "
+                              "use the sandbox's terminal (AsyncSandbox.pty) for them")
+        try:
+            result = await session.run(action.command, timeout=action.timeout)
+        except SessionDied:
+            del self.sessions[action.session]  # its shell is gone; a new one can take the name
+            raise
+        if result.timed_out:
             raise CommandTimeoutError(f"timeout ({action.timeout}s) exceeded while running command "
-                                      f"{action.command!r}; output so far:\n{output}")
-        exit_code = None if action.check == "ignore" else job.exit_code
-        if action.check == "raise" and job.exit_code != 0:
-            message = f"Command {action.command!r} failed with exit code {job.exit_code}. Here is the output:\n{output!r}"
+                                      f"{action.command!r}; output so far:\n{result.output}")
+        exit_code = None if action.check == "ignore" else result.exit_code
+        if action.check == "raise" and result.exit_code != 0:
+            message = (f"Command {action.command!r} failed with exit code {result.exit_code}. "
+                       f"Here is the output:\n{result.output!r}")
             raise NonZeroExitCodeError(f"{action.error_msg}: {message}" if action.error_msg else message)
-        return BashObservation(output=output, exit_code=exit_code)
+        return BashObservation(output=result.output, exit_code=exit_code)
 
     async def close_session(self, request: Any) -> CloseBashSessionResponse:
-        if request.session not in self.sessions:
-            raise SessionDoesNotExistError(f"session {request.session!r} does not exist")
-        self.sessions.discard(request.session)
-        await self.sandbox.exec(shell_sessions.close_command(request.session), timeout=30)
+        session = self._session(request.session)
+        del self.sessions[request.session]
+        await session.close()
         return CloseBashSessionResponse()
 
     async def execute(self, command: Command) -> CommandResponse:
@@ -143,9 +157,9 @@ class OrchardRuntime(AbstractRuntime):
             await self.sandbox.exec(["mkdir", "-p", "--", path], check=True, timeout=60)
 
     async def close(self) -> CloseResponse:
-        for session in list(self.sessions):
-            await self.sandbox.exec(shell_sessions.close_command(session), timeout=30)
-        self.sessions.clear()
+        sessions, self.sessions = list(self.sessions.values()), {}
+        for session in sessions:
+            await session.close()
         return CloseResponse()
 
 

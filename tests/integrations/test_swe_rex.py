@@ -9,6 +9,7 @@ from swerex.runtime.abstract import (AbstractRuntime, BashAction, BashInterruptA
                                      CloseBashSessionRequest, Command, CreateBashSessionRequest, ReadFileRequest,
                                      UploadRequest, WriteFileRequest)
 
+from orchard.client.session import SessionDied
 from orchard.errors import SandboxNotFound
 from orchard.integrations.swe_rex import OrchardDeployment, OrchardDeploymentConfig
 
@@ -53,7 +54,7 @@ async def test_exit_codes_checks_and_timeouts(deployment):
     runtime = deployment.runtime
     await runtime.create_session(CreateBashSessionRequest())
     with pytest.raises(NonZeroExitCodeError, match="exit code 3"):
-        await runtime.run_in_session(BashAction(command="echo no; exit 3"))
+        await runtime.run_in_session(BashAction(command="echo no; (exit 3)"))
     silent = await runtime.run_in_session(BashAction(command="false", check="silent"))
     assert silent.exit_code == 1
     assert (await runtime.run_in_session(BashAction(command="false", check="ignore"))).exit_code is None
@@ -112,3 +113,16 @@ def test_bad_settings_are_named():
 
     with pytest.raises(ValidationError, match="imgae"):
         OrchardDeploymentConfig(imgae="host")
+
+
+async def test_sessions_are_real_shells_unexported_state_persists_and_exit_ends_one(deployment):
+    runtime = deployment.runtime
+    await runtime.create_session(CreateBashSessionRequest())
+    await runtime.run_in_session(BashAction(command="LOCAL=kept; shopt -s expand_aliases; alias hi='echo hi'"))
+    assert (await runtime.run_in_session(BashAction(command="echo $LOCAL; hi"))).output.split() == ["kept", "hi"]
+    with pytest.raises(SessionDied):
+        await runtime.run_in_session(BashAction(command="exit 4"))
+    with pytest.raises(SessionDoesNotExistError):
+        await runtime.run_in_session(BashAction(command="true"))
+    await runtime.create_session(CreateBashSessionRequest())  # the name is free again
+    assert (await runtime.run_in_session(BashAction(command="echo [$LOCAL]"))).output.strip() == "[]"
