@@ -150,6 +150,15 @@ class Unsupported(OrchardError):
     error_type = "rejected"
 
 
+class StoreUnavailable(OrchardError):
+    """The server could not read or write its state store (disk full, I/O error); nothing was
+    recorded, so the same request can be sent again once the store is back."""
+
+    status_code = 503
+    error_type = "internal"
+    retryable = True
+
+
 class InternalError(OrchardError):
     """A bug: please report it with the agent's log."""
 
@@ -164,6 +173,7 @@ ERRORS_BY_NAME: dict[str, type[OrchardError]] = {
         SandboxConflict, SandboxLost, SandboxNotReady, ImageRejected, QuotaExceeded,
         RuntimeUnavailable, BackendUnavailable, AgentUnreachable, FileOperationFailed,
         PayloadTooLarge, WaitTimeout, ExecTimeout, InternalError, SnapshotNotFound, Unsupported,
+        StoreUnavailable,
     ]
 }
 

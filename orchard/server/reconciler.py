@@ -43,7 +43,9 @@ class Reconciler:
             try:
                 await self.run_round()
             except Exception:
+                self.service.metrics.reconciler.labels("round_failed").inc()
                 log.exception("reconciler round failed")
+            self.service.metrics.reconciler.labels("round").inc()
 
     def _count(self, action: str, **fields: object) -> None:
         self.service.metrics.reconciler.labels(action).inc()
@@ -54,7 +56,7 @@ class Reconciler:
         service.flush_heartbeats()
         if not service.store.lead("reconciler"):  # another replica reaps; two would delete twice
             return
-        now = time.time()
+        now = service.now()  # monotonic since start: a wall-clock step reaps nothing
         for record in service.store.list_sandboxes():
             sandbox = record.sandbox
             expired = None
@@ -96,4 +98,5 @@ class Reconciler:
                     self._count("orphan_deleted", sandbox_id=sandbox_id)
                 except Exception as exc:
                     log.warning("could not delete orphan", extra={"fields": {"sandbox_id": sandbox_id, "error": str(exc)}})
-        service.store.purge_jobs(now - service.config.job_retention_seconds)
+        # finished jobs carry the agents' wall-clock completion times
+        service.store.purge_jobs(time.time() - service.config.job_retention_seconds)

@@ -48,6 +48,13 @@ class ServerService:
         self._agents: dict[tuple[str, Optional[str]], ApiClient] = {}
         self._creating: dict[str, asyncio.Event] = {}
         self._last_seen: dict[str, float] = {}
+        self._wall_at_start, self._monotonic_at_start = time.time(), time.monotonic()
+
+    def now(self) -> float:
+        """Seconds since the epoch as read once at start and advanced by the monotonic clock
+        since: TTLs are measured on it, so a step of the wall clock (NTP, `date -s`) neither
+        reaps every live sandbox nor keeps idle ones alive."""
+        return self._wall_at_start + (time.monotonic() - self._monotonic_at_start)
 
     async def close(self) -> None:
         self.flush_heartbeats()
@@ -77,21 +84,28 @@ class ServerService:
 
     def touch(self, sandbox_id: str) -> None:
         """Note a call on a sandbox; written to the store in batches (see flush_heartbeats)."""
-        self._last_seen[sandbox_id] = time.time()
+        self._last_seen[sandbox_id] = self.now()
 
     def flush_heartbeats(self) -> None:
         seen, self._last_seen = self._last_seen, {}
-        self.store.touch_many(seen)
+        try:
+            self.store.touch_many(seen)
+        except BaseException:  # kept for the next flush: a lost heartbeat would get a busy sandbox reaped
+            for sandbox_id, when in seen.items():
+                self._last_seen[sandbox_id] = max(when, self._last_seen.get(sandbox_id, when))
+            raise
 
     def mark_lost(self, record: SandboxRecord, reason: str) -> None:
         if record.sandbox.status == "lost":
             return
-        record.sandbox = record.sandbox.model_copy(update={"status": "lost", "ready": False, "status_message": reason})
-        self.store.put_sandbox(record)
+        # The jobs first: if a write fails, the sandbox is not yet "lost" and the next round
+        # does it all again, rather than leave its jobs unfinished for ever.
         for job in self.store.unfinished_jobs(record.sandbox.sandbox_id):
             self.store.put_job(job.model_copy(update={
                 "status": "failed", "error_type": "sandbox_lost", "error": f"sandbox lost: {reason}",
                 "completed_at": time.time()}))
+        record.sandbox = record.sandbox.model_copy(update={"status": "lost", "ready": False, "status_message": reason})
+        self.store.put_sandbox(record)
         self.metrics.reconciler.labels("marked_lost").inc()
         log.warning("sandbox lost", extra={"fields": {"sandbox_id": record.sandbox.sandbox_id, "reason": reason}})
         emit_event({"type": "lost", "sandbox_id": record.sandbox.sandbox_id, "time": time.time(), "reason": reason})
@@ -121,7 +135,7 @@ class ServerService:
                 await self._creating[sandbox_id].wait()
             return self.record(sandbox_id).sandbox
         spec = spec.model_copy(update={"sandbox_id": sandbox_id})
-        now = time.time()
+        now = self.now()
         pending = Sandbox(sandbox_id=sandbox_id, image=spec.image, status="pending", block_network=spec.block_network,
                           cpu=spec.cpu, memory=spec.memory, disk=spec.disk, pids=spec.pids, labels=spec.labels,
                           backend=self.backend.name, created_at=now)
@@ -137,9 +151,10 @@ class ServerService:
         finally:
             self._creating.pop(sandbox_id).set()
         self.metrics.create_seconds.observe(time.perf_counter() - start)
-        sandbox = created.model_copy(update={"labels": spec.labels, "backend": self.backend.name,
+        # created_at on the server's clock, as TTLs and the lost grace are measured on it
+        sandbox = created.model_copy(update={"labels": spec.labels, "backend": self.backend.name, "created_at": now,
                                              "agent_url": None, "agent_token": None})
-        self.store.put_sandbox(SandboxRecord(spec, sandbox, time.time()))
+        self.store.put_sandbox(SandboxRecord(spec, sandbox, self.now()))
         emit_event({"type": "ready", "sandbox_id": sandbox_id, "time": time.time()})
         endpoint = await self.backend.endpoint(sandbox_id)
         if endpoint.token is None or created.incarnation is None:

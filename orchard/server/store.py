@@ -16,6 +16,7 @@ from typing import Iterable, Optional
 
 from pydantic import ValidationError
 
+from orchard.errors import StoreUnavailable
 from orchard.models import Job, Sandbox, SandboxSpec
 
 
@@ -84,12 +85,39 @@ CREATE INDEX IF NOT EXISTS jobs_by_completion ON jobs (done, completed_at);
 """
 
 
+class _Database:
+    """A SQLite connection whose errors (disk full, I/O errors, a locked file) are the typed,
+    retryable StoreUnavailable: each statement is its own transaction, so a failed one
+    changed nothing, and the caller hears a 503 instead of a 500 and a dropped connection."""
+
+    def __init__(self, path: Path) -> None:
+        self.connection = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False)
+
+    def _guard(self, method: str, *args: object) -> sqlite3.Cursor:
+        try:
+            return getattr(self.connection, method)(*args)
+        except sqlite3.DatabaseError as exc:
+            raise StoreUnavailable(f"the server's state store failed: {exc}") from exc
+
+    def execute(self, *args: object) -> sqlite3.Cursor:
+        return self._guard("execute", *args)
+
+    def executemany(self, *args: object) -> sqlite3.Cursor:
+        return self._guard("executemany", *args)
+
+    def executescript(self, script: str) -> sqlite3.Cursor:
+        return self._guard("executescript", script)
+
+    def close(self) -> None:
+        self.connection.close()
+
+
 class SQLiteStore(Store):
     """One SQLite file in WAL mode; every call is a short local transaction."""
 
     def __init__(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        self.db = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False)
+        self.db = _Database(path)
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute("PRAGMA synchronous=NORMAL")
         self.db.executescript(SCHEMA)
