@@ -10,21 +10,24 @@ from __future__ import annotations
 
 import asyncio
 import codecs
+import logging
 import os
 import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import AsyncIterator, Optional
+from typing import AsyncIterator, Callable, Optional
 
 from orchard.agent.process_marks import MARK, kill_marked, new_mark
 from orchard.agent.reaper import ChildReaper
 from orchard.agent.runtimes.api import IsolationRuntime
 from orchard.agent.sandbox import SandboxState
+from orchard.agent.spawner import Spawned, SpawnerLost, SpawnerUnavailable
 from orchard.agent.spool import SpoolFile
 from orchard.errors import OrchardError
 from orchard.models import ExecRequest, Job
 
+log = logging.getLogger(__name__)
 POLL_SECONDS = 0.25
 FLOOD_POLL_SECONDS = 0.01  # while output pours in, release it often: its pages count against the sandbox
 STREAM_POLL_SECONDS = 0.02
@@ -53,6 +56,26 @@ class JobRecord:
                     spool.close()
 
 
+_DEV_NULL = -1
+
+
+def _dev_null() -> int:
+    """One read-only /dev/null for every command's stdin (the spawner needs a descriptor)."""
+    global _DEV_NULL
+    if _DEV_NULL < 0:
+        _DEV_NULL = os.open("/dev/null", os.O_RDONLY | os.O_CLOEXEC)
+    return _DEV_NULL
+
+
+def _killpg(pid: int) -> Callable[[], None]:
+    def kill() -> None:
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return kill
+
+
 def shell_argv(shell: str, command: str, login_shell: bool) -> list[str]:
     """How the original runs commands: ``bash -c``, or a login shell that sources ~/.bashrc."""
     if login_shell and shell == "bash":
@@ -75,14 +98,15 @@ def process_ended(pid: int) -> bool:
     return stat.rpartition(")")[2].split()[0] in ("Z", "X")
 
 
-async def settle_holder(sandbox: SandboxState, timeout: float = 2.0) -> None:
+async def settle_holder(sandbox: SandboxState, timeout: float = 2.0, dying: bool = False) -> None:
     """A command killed by a signal may have died with its sandbox's holder, whose own exit
-    can be reaped a moment later: wait for it, so the job reads ``sandbox_lost``, not a plain failure."""
+    can be reaped a moment later: wait for it, so the job reads ``sandbox_lost``, not a plain failure.
+    ``dying``: the holder's spawner socket closed, which it does while it exits."""
     placement, holder_exit = sandbox.placement, sandbox.holder_exit
     if placement is None or holder_exit is None or holder_exit.done():
         return
     pid = placement.target_pid or placement.holder_pid
-    if pid and process_ended(pid):
+    if dying or (pid and process_ended(pid)):
         await asyncio.wait([holder_exit], timeout=timeout)
         await asyncio.sleep(0)  # let the sandbox's exit callback mark it lost first
 
@@ -123,46 +147,79 @@ class JobRunner:
         assert placement is not None
         request, job = record.request, record.job
         job_cgroup = sandbox.cgroup.job_dir() if sandbox.cgroup is not None else None
-        argv = runtime.command(sandbox, shell_argv(placement.shell, request.command_text(), request.login_shell), cwd,
-                               job_cgroup)
+        command = shell_argv(placement.shell, request.command_text(), request.login_shell)
         mark = new_mark()
         env = {**placement.env, **request.env, MARK: mark}
         record.stdout = SpoolFile("stdout", self.max_output_bytes)
         record.stderr = SpoolFile("stderr", self.max_output_bytes)
         stdin_fd = -1
-        stdin_action: tuple = (os.POSIX_SPAWN_OPEN, 0, "/dev/null", os.O_RDONLY, 0)
         if request.stdin is not None:
             stdin_fd = os.memfd_create("stdin", os.MFD_CLOEXEC)
             os.write(stdin_fd, request.stdin.encode())
             os.lseek(stdin_fd, 0, os.SEEK_SET)
-            stdin_action = (os.POSIX_SPAWN_DUP2, stdin_fd, 0)
+        spawned: Optional[Spawned] = None
         try:
-            record.pid = os.posix_spawn(str(self.helper), argv, env, file_actions=[
-                stdin_action,
-                (os.POSIX_SPAWN_DUP2, record.stdout.fd, 1),
-                (os.POSIX_SPAWN_DUP2, record.stderr.fd, 2),
-            ], setsid=True, setsigdef=(signal.SIGPIPE, signal.SIGXFSZ, signal.SIGINT, signal.SIGTERM))
+            spawner = runtime.spawner(sandbox)
+            if spawner is not None:  # forked by the sandbox's holder: no exec, no setns
+                try:
+                    spawned = await spawner.spawn(
+                        command, env, cwd, (stdin_fd if stdin_fd >= 0 else _dev_null(), record.stdout.fd, record.stderr.fd),
+                        [str(job_cgroup / "cgroup.procs")] if job_cgroup is not None else [])
+                except SpawnerUnavailable as exc:
+                    log.warning("sandbox %s: %s; running the command through orchard-enter", sandbox.sandbox_id, exc)
+                    for spool in (record.stdout, record.stderr):  # drop what a failed start wrote
+                        spool.close()
+                    record.stdout = SpoolFile("stdout", self.max_output_bytes)
+                    record.stderr = SpoolFile("stderr", self.max_output_bytes)
+            if spawned is not None:
+                record.pid = spawned.pid
+                exited, kill = spawned.exited, spawned.kill
+            else:
+                record.pid = self._spawn_helper(runtime.command(sandbox, command, cwd, job_cgroup), env, record, stdin_fd)
+                exited, kill = self.reaper.wait(record.pid), _killpg(record.pid)
             job.status, job.started_at = "running", time.time()
-            exit_code, killed_for = await self._supervise(record)
+            try:
+                exit_code, killed_for = await self._supervise(record, exited, kill)
+            except SpawnerLost as exc:
+                exit_code, killed_for, lost = -1, None, str(exc)
+            else:
+                lost = None
             if exit_code > 128 and sandbox.cgroup is not None and sandbox.cgroup.new_oom_kills():
                 job.error = "the out-of-memory killer ended a process: the sandbox hit its memory limit"
-            if killed_for is not None:  # also what left the process group
+            if killed_for is not None or lost is not None:  # also what left the process group
                 if job_cgroup is not None and sandbox.cgroup is not None:
                     sandbox.cgroup.kill_all(job_cgroup)
                 else:
+                    kill()
                     await asyncio.to_thread(kill_marked, mark)
         finally:
             if stdin_fd >= 0:
                 os.close(stdin_fd)
-        if exit_code > 128 and killed_for is None:
-            await settle_holder(sandbox)
+            if spawned is not None:
+                spawned.close()
+        if (exit_code > 128 and killed_for is None) or lost is not None:
+            await settle_holder(sandbox, dying=lost is not None)
         self._record_result(sandbox, record, exit_code, killed_for)
+        if lost is not None and job.error_type is None:
+            job.status, job.error_type = "failed", "internal"
+            job.error = f"the sandbox's spawner lost track of the command ({lost}); it was killed"
 
-    async def _supervise(self, record: JobRecord) -> tuple[int, Optional[str]]:
+    def _spawn_helper(self, argv: list[str], env: dict[str, str], record: JobRecord, stdin_fd: int) -> int:
+        """The per-command way: ``orchard-enter`` joins the sandbox and runs the command."""
+        assert record.stdout and record.stderr
+        stdin_action: tuple = ((os.POSIX_SPAWN_DUP2, stdin_fd, 0) if stdin_fd >= 0
+                               else (os.POSIX_SPAWN_OPEN, 0, "/dev/null", os.O_RDONLY, 0))
+        return os.posix_spawn(str(self.helper), argv, env, file_actions=[
+            stdin_action,
+            (os.POSIX_SPAWN_DUP2, record.stdout.fd, 1),
+            (os.POSIX_SPAWN_DUP2, record.stderr.fd, 2),
+        ], setsid=True, setsigdef=(signal.SIGPIPE, signal.SIGXFSZ, signal.SIGINT, signal.SIGTERM))
+
+    async def _supervise(self, record: JobRecord, exited: "asyncio.Future[int]",
+                         kill: Callable[[], None]) -> tuple[int, Optional[str]]:
         """Wait for the command; kill its process group on timeout or idle timeout."""
         assert record.pid is not None and record.stdout and record.stderr
         request = record.request
-        exited = self.reaper.wait(record.pid)
         deadline = time.monotonic() + request.effective_timeout()
         last_size, last_change = 0, time.monotonic()
         killed_for: Optional[str] = None
@@ -185,10 +242,7 @@ class JobRunner:
             elif killed_for is None and request.idle_timeout_seconds and now - last_change >= request.idle_timeout_seconds:
                 killed_for = f"command produced no output for {request.idle_timeout_seconds:g}s"
             if killed_for is not None:
-                try:
-                    os.killpg(record.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+                kill()
         return exited.result(), killed_for
 
     def _record_result(self, sandbox: SandboxState, record: JobRecord, exit_code: int, killed_for: Optional[str]) -> None:

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from orchard.agent.reaper import ChildReaper
     from orchard.agent.sandbox import SandboxState
     from orchard.agent.settings import AgentSettings
+    from orchard.agent.spawner import SpawnerClient
 
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"  # inside a sandbox whose image sets none
 
@@ -76,6 +77,11 @@ class IsolationRuntime(ABC):
         if placement.uid is not None:
             full += ["--uid", str(placement.uid), "--gid", str(placement.gid)]
         return full + ["--", *argv]
+
+    def spawner(self, sandbox: "SandboxState") -> Optional["SpawnerClient"]:
+        """The sandbox's spawner (its holder forking commands, ``spawner.py``) while it is
+        usable; None: commands go through ``command``."""
+        return None
 
     def file_command(self, sandbox: "SandboxState", operation: list[str]) -> list[str]:
         """The argv that does a file operation (``enter_files.c``) from inside the sandbox,

@@ -18,11 +18,12 @@ from typing import Optional
 
 from orchard.agent.images import ResolvedImage
 from orchard.agent.inroot import exists_in_root
-from orchard.agent.runtimes.api import DEFAULT_PATH, IsolationRuntime
+from orchard.agent.runtimes.api import DEFAULT_PATH, IsolationRuntime, RuntimeContext
 from orchard.agent.runtimes.holder import HOLD_ARGS, launcher_prefix, limit, spawn_holder, stop_held
 from orchard.agent.runtimes.layers import image_workdir, writable_root
 from orchard.agent.runtimes.mounts import MASKED_PROC_DIRS, MASKED_PROC_FILES, system_binds
 from orchard.agent.sandbox import Placement, SandboxState
+from orchard.agent.spawner import SPAWNER_FD, SpawnerClient, socket_pair
 from orchard.errors import Unsupported
 from orchard.quantities import optional_bytes
 
@@ -90,6 +91,21 @@ class BwrapRuntime(IsolationRuntime):
     name = "bwrap"
     snapshots = True
 
+    def __init__(self, context: RuntimeContext) -> None:
+        super().__init__(context)
+        self._spawners: dict[str, tuple[Placement, SpawnerClient]] = {}  # by sandbox id, while its holder lives
+
+    def spawner(self, sandbox: SandboxState) -> Optional[SpawnerClient]:
+        entry = self._spawners.get(sandbox.sandbox_id)
+        if entry is None or entry[0] is not sandbox.placement or not entry[1].alive:
+            return None
+        return entry[1]
+
+    def _drop_spawner(self, sandbox: SandboxState) -> None:
+        entry = self._spawners.pop(sandbox.sandbox_id, None)
+        if entry is not None:
+            entry[1].close()
+
     @classmethod
     def unavailable_reason(cls) -> Optional[str]:
         if shutil.which("bwrap") is None:
@@ -146,19 +162,38 @@ class BwrapRuntime(IsolationRuntime):
         settings = self.context.settings
         namespaces = namespace_args(sandbox.sandbox_id, sandbox.spec.block_network,
                                     (settings.sandbox_uid, settings.sandbox_gid))
+        hold_args = HOLD_ARGS
+        pair = socket_pair() if settings.spawner else None
+        if pair is not None:  # the holder's end passes through bwrap as an inherited descriptor, never a path
+            hold_args = [*HOLD_ARGS, "--spawner", str(SPAWNER_FD)]
         argv = [*launcher_prefix(self.context, sandbox, owner), "bwrap", *namespaces, "--as-pid-1", *args,
-                "--ro-bind", helper, "/dev/.orchard-hold", "--info-fd", "4", "--", "/dev/.orchard-hold", *HOLD_ARGS]
-        info = json.loads(await spawn_holder(self.context, sandbox, argv, {"PATH": DEFAULT_PATH}, "bubblewrap",
-                                             info_fd=True))
+                "--ro-bind", helper, "/dev/.orchard-hold", "--info-fd", "4", "--", "/dev/.orchard-hold", *hold_args]
+        try:
+            info = json.loads(await spawn_holder(self.context, sandbox, argv, {"PATH": DEFAULT_PATH}, "bubblewrap",
+                                                 info_fd=True, pass_fds={pair[1].fileno(): SPAWNER_FD} if pair else None))
+        except BaseException:
+            if pair is not None:
+                pair[0].close()
+            raise
+        finally:
+            if pair is not None:
+                pair[1].close()
         assert sandbox.placement is not None
         sandbox.placement.target_pid = int(info["child-pid"])
         sandbox.placement.root = f"/proc/{sandbox.placement.target_pid}/root"
+        if pair is not None:
+            self._drop_spawner(sandbox)
+            try:
+                self._spawners[sandbox.sandbox_id] = (sandbox.placement, SpawnerClient(pair[0], sandbox.placement.target_pid))
+            except OSError:  # the holder is already gone: commands will find the sandbox lost
+                pair[0].close()
 
     def _has(self, placement: Placement, path: str) -> bool:
         return exists_in_root(placement.root, path)
 
     # -- stop ----------------------------------------------------------------------
     async def stop(self, sandbox: SandboxState) -> None:
+        self._drop_spawner(sandbox)
         await stop_held(sandbox)
 
     async def freeze(self, sandbox: SandboxState, directory: Path) -> Path:
@@ -166,5 +201,6 @@ class BwrapRuntime(IsolationRuntime):
         if sandbox.placement.layer is None:
             raise Unsupported(f"sandbox {sandbox.sandbox_id!r} has no writable layer to snapshot (image "
                               f"{sandbox.spec.image!r}; snapshots need a directory or docker:// image and a root agent)")
+        self._drop_spawner(sandbox)
         await stop_held(sandbox, keep_layer=directory)
         return directory / "layer" / "upper"

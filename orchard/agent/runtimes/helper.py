@@ -19,7 +19,7 @@ from typing import Optional
 from orchard.errors import RuntimeUnavailable
 
 SOURCE = Path(__file__).with_name("orchard_enter.c")
-INCLUDED = ("enter_files.c", "enter_seccomp.c")  # #included by SOURCE
+INCLUDED = ("enter_files.c", "enter_seccomp.c", "enter_spawner.c")  # #included by SOURCE
 BUNDLE_MARKER = "orchard-bundle.json"
 
 

@@ -49,10 +49,11 @@ def limit(context: RuntimeContext, sandbox: SandboxState) -> None:
 
 
 async def spawn_holder(context: RuntimeContext, sandbox: SandboxState, argv: list[str], env: dict[str, str],
-                       tool: str, info_fd: bool = False) -> bytes:
+                       tool: str, info_fd: bool = False, pass_fds: Optional[dict[int, int]] = None) -> bytes:
     """Spawn ``argv`` (ending in the holder, which writes "ready" to fd 3) and wait until the
     holder is ready; raise RuntimeUnavailable with the tool's own message if it is not.
-    Returns what the tool wrote to fd 4 when ``info_fd`` (bubblewrap's --info-fd)."""
+    Returns what the tool wrote to fd 4 when ``info_fd`` (bubblewrap's --info-fd).
+    ``pass_fds`` {our fd: its number in the tool} hands descriptors to the tool alone."""
     assert sandbox.placement is not None
     ready_r, ready_w = os.pipe()
     info_r, info_w = os.pipe()
@@ -61,6 +62,7 @@ async def spawn_holder(context: RuntimeContext, sandbox: SandboxState, argv: lis
                (os.POSIX_SPAWN_DUP2, log_fd, 1), (os.POSIX_SPAWN_DUP2, log_fd, 2), (os.POSIX_SPAWN_DUP2, ready_w, 3)]
     if info_fd:
         actions.append((os.POSIX_SPAWN_DUP2, info_w, 4))
+    actions += [(os.POSIX_SPAWN_DUP2, ours, theirs) for ours, theirs in (pass_fds or {}).items()]
     try:
         pid = os.posix_spawn(argv[0], argv, env, file_actions=actions, setsid=True,
                              setsigdef=(signal.SIGPIPE, signal.SIGXFSZ))

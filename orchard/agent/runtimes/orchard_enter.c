@@ -26,6 +26,9 @@
  *                  from exactly where a command would run;
  *   --hold         instead of a command, be a sandbox's holder: PID 1 of its namespaces,
  *                  reaping orphans until killed; write one line to --ready-fd first;
+ *   --spawner FD   (with --hold) also fork commands for the agent: requests come on FD, a
+ *                  socket pair the agent made (never a path: nothing in the sandbox can
+ *                  reach it), see enter_spawner.c;
  *   --lifeline FD  (with --hold) exit, and so end the sandbox, when FD reads end of file:
  *                  the agent holds the pipe's other end, so a container tool that keeps
  *                  its own supervisor (Podman's conmon) never outlives the agent.
@@ -65,6 +68,7 @@
 static void die(const char *what, const char *arg);
 #include "enter_files.c"
 #include "enter_seccomp.c"
+#include "enter_spawner.c"
 
 static void die(const char *what, const char *arg) {
     fprintf(stderr, "orchard-enter: %s%s%s: %s\n", what, arg ? " " : "", arg ? arg : "",
@@ -140,9 +144,10 @@ static void switch_ids(long uid, long gid) {
     if (uid >= 0 && setresuid(uid, uid, uid) < 0) die("setuid", NULL);
 }
 
-static int hold(int ready_fd, int lifeline) {
+static int hold(int ready_fd, int lifeline, int spawner) {
     /* Not dumpable: a sandbox process of the same uid cannot ptrace its PID 1 and make it
-       exit (which would lose the sandbox and free its pids for reuse). */
+       exit (which would lose the sandbox and free its pids for reuse), nor take its
+       descriptors (the spawner's socket) through /proc/1/fd or pidfd_getfd. */
     if (prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) < 0) die("dumpable", NULL);
     if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) < 0) die("no_new_privs", NULL);
     apply_seccomp();
@@ -152,24 +157,34 @@ static int hold(int ready_fd, int lifeline) {
     sigprocmask(SIG_BLOCK, &chld, NULL);
     int children = signalfd(-1, &chld, SFD_CLOEXEC);
     if (children < 0) die("signalfd", NULL);
+    if (spawner >= 0 && fcntl(spawner, F_SETFD, FD_CLOEXEC) < 0) die("fcntl", "--spawner");
     if (ready_fd >= 0) {
         if (write(ready_fd, "ready\n", 6) != 6) return 125;
         close(ready_fd);
     }
-    struct pollfd watched[2] = {{.fd = children, .events = POLLIN}, {.fd = lifeline, .events = POLLIN}};
+    struct pollfd watched[3] = {{.fd = children, .events = POLLIN}, {.fd = lifeline, .events = POLLIN},
+                                {.fd = spawner, .events = POLLIN}};
     for (;;) {
-        if (poll(watched, lifeline >= 0 ? 2 : 1, -1) < 0) {
+        if (poll(watched, 3, -1) < 0) {
             if (errno == EINTR) continue;
             die("poll", NULL);
         }
         if (watched[0].revents) {
             struct signalfd_siginfo info;
             if (read(children, &info, sizeof info) < 0 && errno != EAGAIN) die("signalfd read", NULL);
-            while (waitpid(-1, NULL, WNOHANG) > 0) {}
+            int status;
+            pid_t pid;
+            while ((pid = waitpid(-1, &status, WNOHANG)) > 0) spawner_reaped(spawner, pid, status);
         }
         if (lifeline >= 0 && watched[1].revents) {
             char byte;
             if (read(lifeline, &byte, 1) <= 0) return 0;  /* the agent is gone: so is the sandbox */
+        }
+        if (spawner >= 0 && watched[2].revents) {
+            if (!spawner_request(spawner, children, lifeline)) { /* the agent closed its end */
+                close(spawner);
+                spawner = watched[2].fd = -1;
+            }
         }
     }
 }
@@ -211,17 +226,7 @@ static void pty_child(int master) {
 static int pty_parent(pid_t child, int master) {
     char data[32];
     int n = snprintf(data, sizeof data, "%d", (int)child);
-    struct iovec iov = {.iov_base = data, .iov_len = (size_t)n};
-    union { char buf[CMSG_SPACE(sizeof(int))]; struct cmsghdr align; } control;
-    memset(&control, 0, sizeof control);
-    struct msghdr msg = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = control.buf,
-                         .msg_controllen = sizeof control.buf};
-    struct cmsghdr *cmsg = CMSG_FIRSTHDR(&msg);
-    cmsg->cmsg_level = SOL_SOCKET;
-    cmsg->cmsg_type = SCM_RIGHTS;
-    cmsg->cmsg_len = CMSG_LEN(sizeof(int));
-    memcpy(CMSG_DATA(cmsg), &master, sizeof(int));
-    if (sendmsg(pty_sock, &msg, MSG_NOSIGNAL) < 0) {
+    if (send_control(pty_sock, data, (size_t)n, SCM_RIGHTS, &master, sizeof master) < 0) {
         kill(child, SIGKILL);
         die("sendmsg", NULL);
     }
@@ -253,7 +258,7 @@ int main(int argc, char **argv) {
     int n_cgroups = 0;
     const char *target = NULL, *cwd = NULL;
     long uid = -1, gid = -1;
-    int i = 1, holder = 0, ready_fd = -1, lifeline = -1, file = 0, seccomp = 0, oom_first = 0, die_with_parent = 0;
+    int i = 1, holder = 0, ready_fd = -1, lifeline = -1, spawner = -1, file = 0, seccomp = 0, oom_first = 0, die_with_parent = 0;
     for (; i < argc; i++) {
         if (!strcmp(argv[i], "--")) { i++; break; }
         if (!strcmp(argv[i], "--hold")) { holder = 1; continue; }
@@ -269,12 +274,13 @@ int main(int argc, char **argv) {
         else if (!strcmp(argv[i], "--gid")) gid = strtol(argv[++i], NULL, 10);
         else if (!strcmp(argv[i], "--ready-fd")) ready_fd = (int)strtol(argv[++i], NULL, 10);
         else if (!strcmp(argv[i], "--lifeline")) lifeline = (int)strtol(argv[++i], NULL, 10);
+        else if (!strcmp(argv[i], "--spawner")) spawner = (int)strtol(argv[++i], NULL, 10);
         else if (!strcmp(argv[i], "--pty")) pty_sock = (int)strtol(argv[++i], NULL, 10);
         else if (!strcmp(argv[i], "--rows")) pty_rows = (int)strtol(argv[++i], NULL, 10);
         else if (!strcmp(argv[i], "--cols")) pty_cols = (int)strtol(argv[++i], NULL, 10);
         else { fprintf(stderr, "orchard-enter: unknown option %s\n", argv[i]); return 125; }
     }
-    if (holder) return hold(ready_fd, lifeline);
+    if (holder) return hold(ready_fd, lifeline, spawner);
     if (i >= argc) { fprintf(stderr, "orchard-enter: no command\n"); return 125; }
     char **command = argv + i;
 

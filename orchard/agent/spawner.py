@@ -1,0 +1,259 @@
+"""Commands forked by the sandbox's holder instead of one ``orchard-enter`` exec each.
+
+The holder (``orchard-enter --hold --spawner FD``, see ``runtimes/enter_spawner.c``) is
+PID 1 of the sandbox, already in its root, with its uid, no capabilities and its seccomp
+filter. The agent keeps the other end of a socket pair made before the holder started, so
+nothing in the sandbox can reach the holder's socket (there is no path to it), and the
+holder is not dumpable (no ptrace, no /proc/1/fd, no pidfd_getfd for the sandbox's uid).
+
+Everything the holder says is a claim of the sandbox about itself and is checked:
+- a command's pid comes from the kernel (SCM_CREDENTIALS, sent by the command's own
+  process before it execs), then is pinned with a pidfd and checked to live in the
+  sandbox's PID namespace before the agent writes it into the job's cgroup or signals it;
+- its exit code is a number the command could have chosen anyway; the end of the command
+  is also seen through the pidfd, so a report that never comes fails the job after a grace
+  period, typed, never a hang;
+- anything that goes wrong before the command starts (no answer in time, a malformed
+  answer, a pid outside the sandbox) makes the caller run it the old way (``orchard-enter``).
+"""
+
+from __future__ import annotations
+
+import array
+import asyncio
+import logging
+import os
+import signal
+import socket
+import struct
+from dataclasses import dataclass
+
+log = logging.getLogger(__name__)
+
+SPAWNER_FD = 5  # the holder's end, as the holder sees it (``--spawner 5``)
+PAYLOAD_MAX = 60 * 1024  # enter_spawner.c's SPAWN_PAYLOAD_MAX: longer requests go the old way
+START_TIMEOUT = 2.0  # seconds for the holder to fork and the command to say who it is
+REPORT_GRACE = 2.0  # seconds between the command's end (pidfd) and the holder's report
+_UCRED = struct.Struct("iII")
+
+
+class SpawnerUnavailable(Exception):
+    """The command did not start through the spawner: run it through orchard-enter instead."""
+
+
+class SpawnerLost(Exception):
+    """The command started, but how it ended is unknown (the holder went silent or away)."""
+
+
+@dataclass
+class Spawned:
+    pid: int  # host pid, from the kernel; the command's session and process group
+    pidfd: int  # pins the process: signals through it never reach a reused pid
+    exited: "asyncio.Future[int]"
+    loop: asyncio.AbstractEventLoop
+
+    def alive(self) -> bool:
+        try:
+            signal.pidfd_send_signal(self.pidfd, 0)
+            return True
+        except OSError:
+            return False
+
+    def kill(self) -> None:
+        """SIGKILL the command itself, and its process group while the command still lives
+        (then its pid, and so its group's id, cannot belong to anyone else)."""
+        if self.pidfd < 0:
+            return
+        try:
+            if self.alive():
+                os.killpg(self.pid, signal.SIGKILL)
+            signal.pidfd_send_signal(self.pidfd, signal.SIGKILL)
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        if self.pidfd >= 0:
+            self.loop.remove_reader(self.pidfd)
+            os.close(self.pidfd)
+            self.pidfd = -1
+
+
+def pid_namespace(pid: int) -> tuple[int, int]:
+    st = os.stat(f"/proc/{pid}/ns/pid")
+    return st.st_dev, st.st_ino
+
+
+def socket_pair() -> tuple[socket.socket, socket.socket]:
+    """(agent's end, holder's end); both close-on-exec: pass the holder's end by dup2 only."""
+    return socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+
+
+class SpawnerClient:
+    """The agent's end of one holder's spawner socket."""
+
+    def __init__(self, sock: socket.socket, holder_pid: int) -> None:
+        self.sock = sock
+        self.sock.setblocking(False)
+        self.namespace = pid_namespace(holder_pid)  # the sandbox's: the holder is its PID 1
+        self.alive = True
+        self._next_id = 0
+        self._pending: dict[int, asyncio.Future[int]] = {}
+        self._loop = asyncio.get_running_loop()
+        self._loop.add_reader(self.sock.fileno(), self._on_readable)
+
+    def close(self) -> None:
+        if self.alive:
+            self._loop.remove_reader(self.sock.fileno())
+            self.alive = False
+        self.sock.close()
+        for future in self._pending.values():
+            if not future.done():
+                future.set_exception(SpawnerLost("the sandbox's holder closed its spawner socket"))
+        self._pending.clear()
+
+    def _on_readable(self) -> None:
+        while True:
+            try:
+                data = self.sock.recv(128)
+            except BlockingIOError:
+                return
+            except OSError:
+                data = b""
+            if not data:
+                self.close()
+                return
+            self._report(data)
+
+    def _report(self, data: bytes) -> None:
+        parts = data.split()
+        if len(parts) != 3 or parts[0] not in (b"exit", b"fail") or not parts[1].isdigit():
+            log.warning("spawner: ignored a malformed report %r", data[:64])
+            return
+        future = self._pending.pop(int(parts[1]), None)
+        try:
+            value = int(parts[2])
+        except ValueError:
+            value = -1
+        if future is None or future.done():
+            return
+        if parts[0] == b"fail":
+            future.set_exception(SpawnerUnavailable(f"the holder could not fork: {os.strerror(value) if value > 0 else value}"))
+        elif 0 <= value <= 255 + 128:
+            future.set_result(value)
+        else:
+            future.set_exception(SpawnerLost(f"the holder reported an impossible exit code {value}"))
+
+    async def spawn(self, argv: list[str], env: dict[str, str], cwd: str, stdio: tuple[int, int, int],
+                    cgroup_procs: list[str]) -> Spawned:
+        """Start ``argv``; it is in ``cgroup_procs`` before it execs. Raises SpawnerUnavailable
+        when it did not start (nothing of it runs then)."""
+        if not self.alive:
+            raise SpawnerUnavailable("the spawner is gone")
+        strings = [cwd, str(len(argv)), *argv, *(f"{k}={v}" for k, v in env.items())]
+        if any("\0" in s for s in strings):
+            raise SpawnerUnavailable("a NUL byte in the command or its environment")
+        self._next_id += 1
+        request_id = self._next_id
+        payload = b"".join(s.encode(errors="surrogateescape") + b"\0" for s in [str(request_id), *strings])
+        if len(payload) > PAYLOAD_MAX:
+            raise SpawnerUnavailable("request too long for the spawner")
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        exited: asyncio.Future[int] = self._loop.create_future()
+        try:
+            ours.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
+            ours.setblocking(False)
+            self._pending[request_id] = exited
+            try:
+                self.sock.sendmsg([payload], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
+                                               array.array("i", [*stdio, theirs.fileno()]))])
+            except OSError as exc:  # a full buffer (the holder stopped reading), or it is gone
+                raise SpawnerUnavailable(f"could not reach the spawner: {exc}") from None
+            finally:
+                theirs.close()
+            pid = await self._hello(ours, exited)
+            spawned = self._verified(pid, exited)
+            try:
+                for procs in cgroup_procs:
+                    fd = os.open(procs, os.O_WRONLY | os.O_CLOEXEC)
+                    try:
+                        os.write(fd, b"%d\n" % pid)
+                    finally:
+                        os.close(fd)
+                signal.pidfd_send_signal(spawned.pidfd, 0)  # still the same process
+                ours.send(b"g")
+            except OSError as exc:
+                spawned.kill()
+                spawned.close()
+                raise SpawnerUnavailable(f"could not place the command in its cgroup: {exc}") from None
+        except BaseException:
+            self._pending.pop(request_id, None)
+            if not exited.done():
+                exited.cancel()
+            raise
+        finally:
+            ours.close()
+        self._watch_end(spawned)
+        return spawned
+
+    async def _hello(self, ours: socket.socket, exited: "asyncio.Future[int]") -> int:
+        """The command's pid, as the kernel delivered it with the command's first message."""
+        readable = self._loop.create_future()
+        self._loop.add_reader(ours.fileno(), lambda: readable.done() or readable.set_result(None))
+        try:
+            await asyncio.wait([readable, exited], timeout=START_TIMEOUT, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            self._loop.remove_reader(ours.fileno())
+        if exited.done() and exited.exception() is not None:
+            raise SpawnerUnavailable(str(exited.exception()))
+        if not readable.done():
+            self._unhealthy("no answer in time")
+            raise SpawnerUnavailable("the spawner did not answer in time")
+        try:
+            data, ancillary, _, _ = ours.recvmsg(16, socket.CMSG_SPACE(_UCRED.size))
+        except OSError as exc:
+            raise SpawnerUnavailable(f"no word from the command: {exc}") from None
+        for level, kind, value in ancillary:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS and data == b"p":
+                pid, _, _ = _UCRED.unpack(value[:_UCRED.size])
+                if pid > 0:
+                    return pid
+        raise SpawnerUnavailable("the command did not start")  # it died before saying who it is
+
+    def _verified(self, pid: int, exited: "asyncio.Future[int]") -> Spawned:
+        """Pin ``pid`` with a pidfd and check that it is a process of this sandbox."""
+        try:
+            pidfd = os.pidfd_open(pid)
+        except OSError as exc:
+            raise SpawnerUnavailable(f"the command is gone before it started: {exc}") from None
+        spawned = Spawned(pid, pidfd, exited, self._loop)
+        try:
+            inside = pid_namespace(pid) == self.namespace
+            signal.pidfd_send_signal(pidfd, 0)  # still the process we looked at
+        except OSError:
+            spawned.close()
+            raise SpawnerUnavailable("the command is gone before it started") from None
+        if not inside:
+            spawned.close()  # never signal a process outside the sandbox
+            self._unhealthy(f"reported pid {pid} outside the sandbox")
+            raise SpawnerUnavailable("the spawner's command is not in the sandbox")
+        return spawned
+
+    def _watch_end(self, spawned: Spawned) -> None:
+        """When the command's pidfd says it ended, give the holder's report a grace period."""
+        fd = spawned.pidfd
+
+        def ended() -> None:
+            self._loop.remove_reader(fd)
+            if not spawned.exited.done():
+                self._loop.call_later(REPORT_GRACE, self._overdue, spawned.exited)
+
+        self._loop.add_reader(fd, ended)
+
+    def _overdue(self, exited: "asyncio.Future[int]") -> None:
+        if not exited.done():
+            exited.set_exception(SpawnerLost("the command ended but the holder never said how"))
+            self._unhealthy("no exit report")
+
+    def _unhealthy(self, why: str) -> None:
+        log.warning("spawner: %s; commands of this sandbox now go through orchard-enter", why)
+        self.close()

@@ -1,0 +1,223 @@
+"""The holder as a spawner (``spawner: true``): commands forked by the sandbox's PID 1.
+
+Same process state as through orchard-enter; the sandbox cannot stop, signal, ptrace or
+reach it; the agent believes nothing it says without checking; a stopped spawner degrades
+to orchard-enter; timeouts still kill the whole tree; no descriptor leaks.
+"""
+
+from __future__ import annotations
+
+import array
+import asyncio
+import json
+import os
+import signal
+import socket
+import struct
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from orchard.agent.spawner import SpawnerClient, SpawnerLost, SpawnerUnavailable
+
+PROBE = ("grep -E '^(Uid|Gid|Groups|Cap[A-Za-z]+|NoNewPrivs|Seccomp|Seccomp_filters):' /proc/self/status; "
+         "cat /proc/self/oom_score_adj; pwd; ls /proc/self/fd | wc -l; "
+         "for n in /proc/self/ns/*; do basename $n; done; grep pids /proc/self/cgroup | sed 's/job-[0-9]*/job-N/'; "
+         "env | grep -v '^ORCHARD_JOB=' | sort; echo ulimit $(ulimit -n) $(ulimit -u); umask")
+
+
+@pytest.fixture(scope="module")
+def spawner_settings(agent_settings):
+    return agent_settings.model_copy(update={"state_dir": Path(f"{agent_settings.state_dir}-spawner"), "spawner": True})
+
+
+@pytest.fixture(scope="module")
+def spawner_client(spawner_settings):
+    from orchard.backends.local.launcher import stop_agent
+    from orchard.client import Client
+
+    client = Client(backend="local", backend_settings={"agent": spawner_settings.model_dump(mode="json")})
+    yield client
+    client.close()
+    stop_agent(spawner_settings)
+
+
+@pytest.fixture
+def sandbox(spawner_client):
+    handle = spawner_client.create("host")
+    yield handle
+    handle.delete()
+
+
+def ppid(handle) -> str:
+    return handle.exec("echo $PPID").stdout.strip()
+
+
+def holder_pid(handle) -> int:
+    """The host pid of the sandbox's holder (PID 1 of the namespace shown to the command)."""
+    inside = handle.exec("readlink /proc/self/ns/pid").stdout.strip()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if b"--spawner" not in (entry / "cmdline").read_bytes() or os.readlink(entry / "ns/pid") != inside:
+                    continue
+                nspid = [line for line in (entry / "status").read_text().splitlines() if line.startswith("NSpid:")]
+                if nspid and nspid[0].split()[-1] == "1":
+                    return int(entry.name)
+            except OSError:
+                continue
+    raise AssertionError("no holder found")
+
+
+def test_commands_run_in_the_same_state_as_through_orchard_enter(sandbox, orchard_client):
+    plain = orchard_client.create("host")
+    try:
+        assert ppid(sandbox) == "1"  # forked by the holder
+        assert ppid(plain) == "0"  # orchard-enter's child: its parent is outside the PID namespace
+        spawned, entered = sandbox.exec(PROBE), plain.exec(PROBE)
+        assert spawned.exit_code == 0 and entered.exit_code == 0, (spawned.stderr, entered.stderr)
+        assert spawned.stdout == entered.stdout
+        assert "CapBnd:\t0000000000000000" in spawned.stdout and "NoNewPrivs:\t1" in spawned.stdout
+        assert "Seccomp:\t2" in spawned.stdout and "pids:/job-N" in spawned.stdout
+        job = sandbox.exec("cat; echo err >&2; exit 7", stdin="in", env={"A": "b"}, cwd="/tmp")
+        assert (job.stdout, job.stderr, job.exit_code) == ("in", "err\n", 7)
+        assert sandbox.exec("pwd; echo $A", cwd="/tmp", env={"A": "b"}).stdout == "/tmp\nb\n"
+        missing = sandbox.exec("no-such-command")
+        assert missing.exit_code == 127
+    finally:
+        plain.delete()
+
+
+def test_the_sandbox_cannot_stop_signal_ptrace_or_reach_the_spawner(sandbox):
+    job = sandbox.exec("kill -STOP 1; kill -KILL 1; kill -TERM 1; kill -INT 1; echo sent")
+    assert job.stdout == "sent\n"
+    started = time.monotonic()
+    assert ppid(sandbox) == "1" and time.monotonic() - started < 2  # still the spawner, not stopped
+    attempts = sandbox.exec(
+        "ls /proc/1/fd 2>/dev/null && echo fd-readable; cat /proc/1/environ 2>/dev/null && echo environ-readable; "
+        "python3 -c 'import ctypes; libc = ctypes.CDLL(None, use_errno=True); "
+        "print(\"attach\", libc.ptrace(16, 1, 0, 0), ctypes.get_errno()); "
+        "fd = libc.syscall(434, 1, 0); print(\"getfd\", libc.syscall(438, fd, 5, 0), ctypes.get_errno())'")
+    assert "fd-readable" not in attempts.stdout and "environ-readable" not in attempts.stdout
+    assert "attach -1 1" in attempts.stdout  # EPERM
+    assert "getfd -1 1" in attempts.stdout  # pidfd_getfd of the spawner's socket: EPERM (seccomp, ptrace rules)
+    assert ppid(sandbox) == "1"
+
+
+def test_the_holder_holds_no_privileged_descriptors(sandbox):
+    pid = holder_pid(sandbox)
+    targets = sorted(os.readlink(fd) for fd in Path(f"/proc/{pid}/fd").iterdir())
+    sockets = [t for t in targets if t.startswith("socket:")]
+    assert len(sockets) == 1, targets  # its end of the spawner pair, nothing else
+    others = [t for t in targets if not t.startswith(("socket:", "anon_inode:", "/memfd:holder-log"))]
+    assert others == ["/dev/null"], targets  # no host directory, no other file
+    assert Path(f"/proc/{pid}/status").stat().st_uid == 0  # not dumpable: its /proc entries are root's
+
+
+def test_no_descriptor_leaks_over_1000_commands(sandbox, spawner_settings):
+    agent = json.loads((spawner_settings.agent_dir / "agent.json").read_text())["pid"]
+    holder = holder_pid(sandbox)
+    sandbox.exec("true")
+    before = (len(os.listdir(f"/proc/{agent}/fd")), len(os.listdir(f"/proc/{holder}/fd")))
+    for _ in range(1000):
+        assert sandbox.exec("true").exit_code == 0
+    after = (len(os.listdir(f"/proc/{agent}/fd")), len(os.listdir(f"/proc/{holder}/fd")))
+    assert after[1] == before[1]
+    assert after[0] <= before[0] + 2  # connections of the client may come and go
+    assert ppid(sandbox) == "1"
+
+
+def test_a_timeout_kills_the_whole_tree_and_background_processes_stay(sandbox):
+    started = time.monotonic()
+    assert sandbox.exec("sleep 1000 &").exit_code == 0
+    assert time.monotonic() - started < 5
+    job = sandbox.exec("sleep 300 & setsid sleep 301 & (trap '' TERM INT; sleep 302) & sleep 303", timeout=1)
+    assert job.exit_code == 124 and job.error_type == "timeout"
+    time.sleep(0.3)
+    left = sandbox.exec("ps -eo args").stdout
+    assert "sleep 1000" in left
+    assert not any(f"sleep {n}" in left for n in (300, 301, 302, 303)), left
+
+
+def test_a_stopped_spawner_degrades_to_orchard_enter(sandbox):
+    """A spawner that does not answer (here stopped from the host: the sandbox cannot) costs
+    one command a short wait, then commands go through orchard-enter; none hangs or fails."""
+    pid = holder_pid(sandbox)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        job = sandbox.exec("echo $PPID; echo ok")
+        assert job.exit_code == 0 and job.stdout == "0\nok\n", job
+        assert time.monotonic() - started < 10
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert ppid(sandbox) == "0"  # the agent gave up on that spawner for good
+    assert sandbox.exec("echo still").stdout == "still\n"
+
+
+def test_a_long_command_goes_through_orchard_enter(sandbox):
+    job = sandbox.exec("echo $PPID; : " + "x" * 70_000)
+    assert job.exit_code == 0 and job.stdout == "0\n"
+    assert ppid(sandbox) == "1"
+
+
+def test_a_holder_killed_mid_command_is_a_lost_sandbox(spawner_client):
+    handle = spawner_client.create("host")
+    try:
+        pid = holder_pid(handle)
+        threading.Timer(0.5, os.kill, (pid, signal.SIGKILL)).start()
+        job = handle.exec("sleep 30", timeout=20)
+        assert job.error_type == "sandbox_lost", job
+    finally:
+        handle.delete()
+
+
+# -- the agent believes nothing the holder says ----------------------------------------
+
+
+def _fake_holder(sock: socket.socket, forge: str) -> None:
+    """Answer one request as a hijacked holder would: with this (host) process's credentials,
+    or with an impossible report."""
+    data, ancdata, _, _ = sock.recvmsg(70_000, socket.CMSG_SPACE(4 * 4))
+    fds = array.array("i")
+    for level, kind, value in ancdata:
+        fds.frombytes(value[:len(value) - len(value) % 4])
+    request_id = data.split(b"\0")[0]
+    ctl = socket.socket(fileno=fds[3])
+    for fd in fds[:3]:
+        os.close(fd)
+    if forge == "pid":
+        ctl.sendmsg([b"p"], [(socket.SOL_SOCKET, socket.SCM_CREDENTIALS, struct.pack("iII", os.getpid(), 0, 0))])
+        ctl.recv(1)  # never gets "g"
+    elif forge == "report":
+        ctl.close()
+        sock.send(b"exit " + request_id + b" 99999")
+    ctl.close()
+
+
+@pytest.mark.parametrize("forge", ["pid", "report"])
+def test_a_hijacked_holder_cannot_make_the_agent_act_outside_the_sandbox(tmp_path, forge):
+    cgroup_procs = tmp_path / "cgroup.procs"
+    cgroup_procs.write_text("")
+
+    async def main() -> None:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        client = SpawnerClient(ours, os.getpid())
+        client.namespace = (0, 0)  # the "sandbox" is a PID namespace this process is not in
+        holder = threading.Thread(target=_fake_holder, args=(theirs, forge))
+        holder.start()
+        stdio = (os.open("/dev/null", os.O_RDONLY),) * 3
+        try:
+            with pytest.raises((SpawnerUnavailable, SpawnerLost)):
+                await client.spawn(["true"], {}, "/", stdio, [str(cgroup_procs)])
+        finally:
+            os.close(stdio[0])
+            await asyncio.to_thread(holder.join, 5)
+            theirs.close()
+        assert not client.alive or forge == "report"
+        client.close()
+
+    asyncio.run(main())
+    assert cgroup_procs.read_text() == ""  # nothing was moved, nothing signalled
