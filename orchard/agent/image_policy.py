@@ -5,7 +5,9 @@ its own privileges, so images come only from places the operator named:
 - directory images from the configured image directories (default: ``STATE/rootfs``),
   never from inside the agent's state directory (its token, other sandboxes' layers);
 - ``docker://`` images from the allowed registries (a host, or host:port; a host alone
-  allows any port), so a caller cannot make the agent probe internal addresses.
+  allows any port), so a caller cannot make the agent probe internal addresses;
+- where ``image_digests`` is set, only ``docker://`` images pinned by one of those digests
+  (skopeo checks the pulled manifest against the digest it was asked for).
 Other plugins may refuse more; any refusal wins.
 """
 
@@ -40,6 +42,21 @@ def registry_allowed(registry: str, allowed: list[str]) -> bool:
     return registry == "docker.io" and "registry-1.docker.io" in allowed
 
 
+def digest_of(reference: str) -> Optional[str]:
+    """The digest a ``docker://NAME[:TAG]@DIGEST`` reference is pinned by, if any."""
+    name = reference.removeprefix("docker://")
+    return name.split("@", 1)[1].lower() if "@" in name else None
+
+
+def digest_refusal(image: str, allowed: list[str]) -> Optional[str]:
+    digest = digest_of(image)
+    if digest is None:
+        return "only images pinned by digest (IMAGE@sha256:...) are allowed (setting image_digests)"
+    if digest not in {entry.lower() for entry in allowed}:
+        return f"digest {digest[:80]!r} is not in the allowed image digests (setting image_digests)"
+    return None
+
+
 def _inside(path: str, directory: str) -> bool:
     return os.path.commonpath([path, directory]) == directory
 
@@ -69,7 +86,8 @@ def orchard_verify_image(image: str, policy: dict[str, Any]) -> Optional[str]:
         allowed = list(policy.get("registries", DEFAULT_REGISTRIES))
         if not registry_allowed(registry, allowed):
             return f"registry {registry!r} is not in the allowed registries (setting registries)"
-        return None
+        digests = list(policy.get("image_digests") or [])
+        return digest_refusal(image, digests) if digests else None
     if "://" in image and not image.startswith("dir://"):
         return None  # other schemes (oras://, library://) are the runtimes' to accept or refuse
     return directory_refusal(image, list(policy.get("image_dirs", [])), list(policy.get("protected_dirs", [])))

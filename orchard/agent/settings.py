@@ -54,6 +54,9 @@ class AgentSettings(BaseModel):
                                            description="allowed registries reached without TLS")
     registries: list[str] = Field(default_factory=lambda: list(DEFAULT_REGISTRIES),
                                   description="registries docker:// images may come from (host or host:port; '*': any)")
+    image_digests: list[str] = Field(default_factory=list,
+                                     description="when set, docker:// images must be pinned by one of these digests "
+                                     "('IMAGE@sha256:...'); a tag alone is refused, since a tag can be moved")
     image_dirs: list[str] = Field(default_factory=list,
                                   description="directories that directory images may come from (besides STATE/rootfs)")
     protected_dirs: list[str] = Field(default_factory=list,
@@ -112,6 +115,7 @@ class AgentSettings(BaseModel):
     def image_policy(self) -> dict[str, Any]:
         """What the ``orchard_verify_image`` hooks are given."""
         return {"registries": self.registries, "insecure_registries": self.insecure_registries,
+                "image_digests": self.image_digests,
                 "image_dirs": [str(self.rootfs_dir), *self.image_dirs],
                 "protected_dirs": [str(self.agent_dir), str(self.sandboxes_dir), str(self.images_dir),
                                    str(self.share_dir), *self.protected_dirs]}

@@ -1,0 +1,63 @@
+"""The built-in image policy's digest allow-list: with `image_digests` set, a docker:// image
+must be pinned by an allowed digest; a tag (which can be moved) or another digest is refused
+with the setting's name. Unset, nothing changes. The registry allow-list still applies."""
+
+from __future__ import annotations
+
+from orchard.agent.settings import AgentSettings
+from orchard.plugins import verify_image
+
+GOOD = "sha256:" + "a" * 64
+OTHER = "sha256:" + "b" * 64
+
+
+def policy(tmp_path, **settings):
+    return AgentSettings(state_dir=tmp_path, **settings).image_policy()
+
+
+def test_pinned_digests_only_when_configured(tmp_path):
+    pinned = policy(tmp_path, image_digests=[GOOD])
+    assert verify_image(f"docker://ghcr.io/org/img@{GOOD}", pinned) is None
+    assert verify_image(f"docker://ghcr.io/org/img:v1@{GOOD.upper().replace('SHA256', 'sha256')}", pinned) is None
+    tag = verify_image("docker://ghcr.io/org/img:v1", pinned)
+    assert tag and "pinned by digest" in tag and "image_digests" in tag
+    other = verify_image(f"docker://ghcr.io/org/img@{OTHER}", pinned)
+    assert other and "not in the allowed image digests" in other
+    assert verify_image("host", pinned) is None  # not a registry image
+
+
+def test_registries_still_apply_to_pinned_images(tmp_path):
+    pinned = policy(tmp_path, image_digests=[GOOD], registries=["ghcr.io"])
+    refused = verify_image(f"docker://evil.example/img@{GOOD}", pinned)
+    assert refused and "registry" in refused
+
+
+def test_unset_means_tags_are_fine(tmp_path):
+    assert verify_image("docker://ghcr.io/org/img:v1", policy(tmp_path)) is None
+
+
+def test_the_agent_refuses_a_tag_before_pulling():
+    """End to end through the local backend: 422 ImageRejected naming the setting, and no
+    pull attempted (the registry on port 1 does not exist)."""
+    import pytest
+
+    from orchard.client import Client
+    from orchard.errors import ImageRejected
+
+    import os
+    import shutil
+    from pathlib import Path
+
+    from orchard.backends.local.launcher import stop_agent
+
+    state = Path(f"/tmp/orchard-digests-{os.getpid()}")
+    agent = {"state_dir": str(state), "registries": ["127.0.0.1"], "image_digests": [GOOD]}
+    try:
+        with Client(backend_settings={"agent": agent}) as client:
+            with pytest.raises(ImageRejected, match="image_digests"):
+                client.create(image="docker://127.0.0.1:1/img:latest")
+            with pytest.raises(ImageRejected, match="not in the allowed image digests"):
+                client.create(image=f"docker://127.0.0.1:1/img@{OTHER}")
+    finally:
+        stop_agent(AgentSettings(state_dir=state))
+        shutil.rmtree(state, ignore_errors=True)
