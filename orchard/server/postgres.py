@@ -3,8 +3,9 @@
 Same interface as the SQLite store (``store.py``); the schema is created and upgraded by
 numbered migrations, applied under an advisory lock so replicas starting together never
 race. Work that one replica at a time must do (the reconciler's reaping) is led through
-``lead``: a session-level advisory lock, held as long as this replica's connection lives,
-so a replica that dies hands the role over without anyone cleaning up after it.
+``lead``, and a sandbox being created is held through ``claim``: both are session-level
+advisory locks, held as long as this replica's connection lives, so a replica that dies
+hands them over without anyone cleaning up after it.
 """
 
 from __future__ import annotations
@@ -118,6 +119,12 @@ class PostgresStore(Store):
 
     def purge_jobs(self, finished_before: float) -> int:
         return self._run("DELETE FROM jobs WHERE done AND completed_at < %s", (finished_before,)).rowcount
+
+    def claim(self, name: str) -> bool:
+        return self._run("SELECT pg_try_advisory_lock(%s)", (lock_id(f"claim:{name}"),)).fetchone()[0]
+
+    def release(self, name: str) -> None:
+        self._run("SELECT pg_advisory_unlock(%s)", (lock_id(f"claim:{name}"),))
 
     def lead(self, role: str) -> bool:
         if role not in self._led and self._run("SELECT pg_try_advisory_lock(%s)", (lock_id(role),)).fetchone()[0]:

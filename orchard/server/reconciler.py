@@ -1,6 +1,7 @@
 """The reconciler: compares the server's records with what the backend really has.
 
-Each round: sandboxes past their heartbeat TTL or absolute lifetime are deleted;
+Each round: sandboxes past their heartbeat TTL or absolute lifetime are deleted, and
+so are pending ones whose creating replica died (see ``ServerService.drop_abandoned``);
 sandboxes the backend no longer has are marked lost with a reason; sandboxes the
 backend has, labelled as this server's, but unknown to the store (orphans of a crash)
 are deleted. If listing the backend fails or is slow, the round is skipped: nothing
@@ -70,6 +71,13 @@ class Reconciler:
                     self._count("expired", sandbox_id=sandbox.sandbox_id, reason=expired)
                 except Exception as exc:
                     log.warning("could not delete expired sandbox", extra={"fields": {
+                        "sandbox_id": sandbox.sandbox_id, "error": str(exc)}})
+            elif sandbox.status == "pending" and now - sandbox.created_at > settings.lost_grace:
+                try:  # a replica died creating it: nobody holds its id, nobody was told it exists
+                    if await service.drop_abandoned(sandbox.sandbox_id):
+                        self._count("abandoned_create_deleted", sandbox_id=sandbox.sandbox_id)
+                except Exception as exc:
+                    log.warning("could not drop an abandoned create", extra={"fields": {
                         "sandbox_id": sandbox.sandbox_id, "error": str(exc)}})
         try:
             await asyncio.wait_for(service.backend.maintain(), settings.list_timeout)

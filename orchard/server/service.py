@@ -126,21 +126,73 @@ class ServerService:
 
     # -- life cycle ----------------------------------------------------------------
     async def create(self, spec: SandboxSpec) -> Sandbox:
+        """Idempotent for the same spec, also across replicas on one shared store: a create
+        runs while this server holds the id (``Store.claim``); another replica's create of
+        that id waits for it; a pending record whose creator died is created again (the
+        backend's create is idempotent for the same spec) rather than left pending."""
         sandbox_id = spec.sandbox_id or f"sbx-{secrets.token_hex(6)}"
+        while sandbox_id in self._creating:  # this server is creating (or dropping) it: wait for the outcome
+            self._same_spec(sandbox_id, spec)
+            await self._creating[sandbox_id].wait()
+        self._creating[sandbox_id] = asyncio.Event()
+        try:
+            await self._claim(sandbox_id, spec)
+            try:
+                existing = self._same_spec(sandbox_id, spec)
+                if existing is not None and existing.sandbox.status != "pending":
+                    return existing.sandbox
+                return await self._create(sandbox_id, spec)
+            finally:
+                self.store.release(sandbox_id)
+        finally:
+            self._creating.pop(sandbox_id).set()
+
+    async def drop_abandoned(self, sandbox_id: str) -> bool:
+        """Delete a pending sandbox whose creator died (no replica holds its id any more) and
+        whose caller, never told it exists, did not ask again; whether it was dropped."""
+        if sandbox_id in self._creating:
+            return False
+        self._creating[sandbox_id] = asyncio.Event()
+        try:
+            if not self.store.claim(sandbox_id):
+                return False  # a live replica is creating it
+            try:
+                record = self.store.get_sandbox(sandbox_id)
+                if record is None or record.sandbox.status != "pending":
+                    return False
+                try:
+                    await self.backend.delete(sandbox_id)
+                except SandboxNotFound:
+                    pass
+                self.store.remove_sandbox(sandbox_id)
+                return True
+            finally:
+                self.store.release(sandbox_id)
+        finally:
+            self._creating.pop(sandbox_id).set()
+
+    def _same_spec(self, sandbox_id: str, spec: SandboxSpec) -> Optional[SandboxRecord]:
         existing = self.store.get_sandbox(sandbox_id)
-        if existing is not None:
-            if existing.spec.identity() != spec.identity():
-                raise SandboxConflict(f"sandbox {sandbox_id!r} already exists with a different spec")
-            if sandbox_id in self._creating:
-                await self._creating[sandbox_id].wait()
-            return self.record(sandbox_id).sandbox
+        if existing is not None and existing.spec.identity() != spec.identity():
+            raise SandboxConflict(f"sandbox {sandbox_id!r} already exists with a different spec")
+        return existing
+
+    async def _claim(self, sandbox_id: str, spec: SandboxSpec) -> None:
+        """Wait (bounded) while another replica creates this id."""
+        deadline = time.monotonic() + (spec.timeout or 600) + 60
+        while not self.store.claim(sandbox_id):
+            self._same_spec(sandbox_id, spec)
+            if time.monotonic() > deadline:
+                raise WaitTimeout(f"sandbox {sandbox_id!r} is still being created by another server replica")
+            await asyncio.sleep(0.05)
+
+    async def _create(self, sandbox_id: str, spec: SandboxSpec) -> Sandbox:
         spec = spec.model_copy(update={"sandbox_id": sandbox_id})
         now = self.now()
         pending = Sandbox(sandbox_id=sandbox_id, image=spec.image, status="pending", block_network=spec.block_network,
                           cpu=spec.cpu, memory=spec.memory, disk=spec.disk, pids=spec.pids, labels=spec.labels,
                           backend=self.backend.name, created_at=now)
         self.store.put_sandbox(SandboxRecord(spec, pending, now))
-        self._creating[sandbox_id] = asyncio.Event()
         start = time.perf_counter()
         owned = spec.model_copy(update={"labels": {**spec.labels, OWNER_LABEL: self.server_id}})
         try:
@@ -148,8 +200,6 @@ class ServerService:
         except BaseException:
             self.store.remove_sandbox(sandbox_id)
             raise
-        finally:
-            self._creating.pop(sandbox_id).set()
         self.metrics.create_seconds.observe(time.perf_counter() - start)
         # created_at on the server's clock, as TTLs and the lost grace are measured on it
         sandbox = created.model_copy(update={"labels": spec.labels, "backend": self.backend.name, "created_at": now,

@@ -64,6 +64,15 @@ class Store(ABC):
     @abstractmethod
     def purge_jobs(self, finished_before: float) -> int: ...
 
+    def claim(self, name: str) -> bool:
+        """Hold ``name`` (a sandbox being created) for this server until ``release``: False
+        while another replica holds it, and a replica that dies lets go of what it held.
+        Alone: always True (one server's own callers are serialized in the service)."""
+        return True
+
+    def release(self, name: str) -> None:
+        """Let go of a name taken with ``claim``."""
+
     def lead(self, role: str) -> bool:
         """Whether this server does ``role``'s work now (the reconciler's reaping): with
         several replicas on one shared store, one of them at a time. Alone: always."""
