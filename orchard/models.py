@@ -24,6 +24,8 @@ SANDBOX_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$"
 # Job ids (body ``job_id`` or the ``Idempotency-Key`` header) end up in /jobs/{job_id} URLs:
 # a letter or digit first, so "." and ".." (which clients normalize away) are never ids.
 JOB_ID_PATTERN = SANDBOX_ID_PATTERN
+# what base64.b64decode(validate=True) takes: the alphabet, padded to a multiple of four
+BASE64_PATTERN = r"^(?:[A-Za-z0-9+/]{4})*(?:[A-Za-z0-9+/]{2}==|[A-Za-z0-9+/]{3}=)?$"
 JOB_ID_RULE = "must be 1-63 characters of A-Z, a-z, 0-9, '_', '.', '-', starting with a letter or digit"
 _JOB_ID = re.compile(JOB_ID_PATTERN)
 DEFAULT_EXEC_TIMEOUT = 300.0
@@ -268,7 +270,8 @@ class QueuedJob(BaseModel):
 
 class FileUpload(Request):
     path: str = Field(min_length=1, max_length=4096)
-    content: str = Field(description="base64")
+    # the pattern is published, not checked here: the agent decodes strictly (422 otherwise)
+    content: str = Field(description="base64", json_schema_extra={"pattern": BASE64_PATTERN})
     mode: Optional[int] = Field(None, ge=0, le=0o7777)
 
 
