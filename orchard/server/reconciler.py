@@ -106,5 +106,7 @@ class Reconciler:
                     self._count("orphan_deleted", sandbox_id=sandbox_id)
                 except Exception as exc:
                     log.warning("could not delete orphan", extra={"fields": {"sandbox_id": sandbox_id, "error": str(exc)}})
-        # finished jobs carry the agents' wall-clock completion times
-        service.store.purge_jobs(time.time() - service.config.job_retention_seconds)
+        # Finished jobs carry their agents' wall-clock completion times: the cutoff is on the
+        # earlier of the wall clock and the server's, so a step either way purges no result early
+        # (a result finished before a step back, or after a step forward, is kept a little longer).
+        service.store.purge_jobs(min(time.time(), now) - service.config.job_retention_seconds)

@@ -104,3 +104,25 @@ def test_max_lifetime_and_lost_grace_use_the_servers_clock(tmp_path, monkeypatch
     assert service.store.get_sandbox("idle").sandbox.status == "lost"
     assert service.store.get_sandbox("busy").sandbox.status == "ready"
     service.store.close()
+
+
+@pytest.mark.parametrize("step", [DAY, -DAY])
+def test_a_wall_clock_step_purges_no_fresh_job_result(tmp_path, monkeypatch, step):
+    """Finished jobs carry their agent's wall-clock completion time; a result finished
+    seconds ago (before or after the step) must outlive job_retention_seconds (3600)."""
+    from orchard.models import Job
+
+    service, _, reconciler = make(tmp_path, ttl=600)
+    real = time.time
+    before = Job(job_id="before", sandbox_id="busy", command="true", status="succeeded", created_at=real() - 10,
+                 completed_at=real() - 5)
+    service.store.put_job(before)
+    monkeypatch.setattr(time, "time", lambda: real() + step)
+    after = Job(job_id="after", sandbox_id="busy", command="true", status="succeeded", created_at=time.time() - 10,
+                completed_at=time.time() - 5)
+    service.store.put_job(after)
+    service.touch("busy")
+    service.touch("idle")
+    asyncio.run(reconciler.run_round())
+    assert service.store.get_job("before") is not None and service.store.get_job("after") is not None
+    service.store.close()
