@@ -20,9 +20,10 @@ from orchard.cli.common import handle_errors, out
 @click.option("--seeds", default=None, metavar="0,1,2",
               help="run every seed (into OUTPUT/seed-N) and report the seed-to-seed spread (OUTPUT/study.md)")
 @click.option("--ablations", is_flag=True, help="also SFT on the other data and RL with the other group samplers")
+@click.option("--summarize", is_flag=True, help="with --seeds: only summarize what each seed has evaluated so far")
 @handle_errors
 def pipeline(config_file: Optional[Path], output: Optional[Path], quick: bool, seed: Optional[int],
-             seeds: Optional[str], ablations: bool) -> None:
+             seeds: Optional[str], ablations: bool, summarize: bool) -> None:
     """Base model, expert trajectories, credit-assignment SFT, BAR+GRPO, held-out evaluation."""
     import yaml
 
@@ -50,9 +51,11 @@ def pipeline(config_file: Optional[Path], output: Optional[Path], quick: bool, s
                                      param_hint="--seeds") from None
         if seed is not None:
             raise click.UsageError("give --seed or --seeds, not both")
-        run_study(config, chosen, ablations)
+        run_study(config, chosen, ablations, summarize_only=summarize)
         out.print(f"report: {config.output_dir / 'study.md'}")
         return
+    if summarize:
+        raise click.UsageError("--summarize goes with --seeds")
     report = run_pipeline(config, ablations=ablations)
     results = report["results"]
     out.print("held-out success: " + ", ".join(f"{k} {v['pass_rate']:.2f}" for k, v in results.items()))

@@ -181,7 +181,7 @@ class Pipeline:
         started = time.perf_counter()
         async with self._engine(self._policy(model, tokenizer, 1 + len(self.report["stages"]))) as engine:
             samples = await engine.run(heldout, self.config.eval_attempts, progress=self.progress)
-        with open(self.config.output_dir / f"eval-{_slug(name)}.jsonl", "w") as handle:
+        with open(self.config.output_dir / f"eval-{slug(name)}.jsonl", "w") as handle:
             for sample in samples:
                 handle.write(json.dumps(sample.to_dict(tokens=False)) + "\n")
         report = summarize(samples, ks=(1,))
@@ -272,7 +272,7 @@ class Pipeline:
                     sandbox_errors=sum(r["sandbox_errors"] for r in records))
 
 
-def _slug(name: str) -> str:
+def slug(name: str) -> str:
     """``sft+rl (dapo)`` -> ``sft-rl-dapo``: a stage's name as a file name."""
     return "-".join("".join(c if c.isalnum() else " " for c in name).split())
 

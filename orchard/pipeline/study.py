@@ -16,30 +16,34 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any, Sequence
 
-from orchard.pipeline.run import PipelineConfig, run_pipeline
+from orchard.pipeline.run import SAMPLERS, PipelineConfig, slug, run_pipeline
 
+MODELS = ("base", "sft", "sft+rl", "sft (resolved)", "sft (credit)", *(f"sft+rl ({s})" for s in SAMPLERS))
 # (worse, better) pairs the recipe claims, then the ablations' pairs
 COMPARISONS = (("base", "sft"), ("sft", "sft+rl"), ("sft (resolved)", "sft"),
                ("sft+rl (fixed)", "sft+rl"), ("sft+rl (dapo)", "sft+rl"))
 
 
 def summarize(per_seed: dict[int, dict[str, float]]) -> dict[str, Any]:
-    """``per_seed``: seed -> model -> held-out success."""
-    models = [m for m in next(iter(per_seed.values()))]
+    """``per_seed``: seed -> model -> held-out success (a model some seeds lack is summarized
+    over the seeds that have it, and compared only on those)."""
+    models = list(dict.fromkeys(m for results in per_seed.values() for m in results))
     table = {}
     for model in models:
-        values = [per_seed[seed][model] for seed in per_seed]
-        table[model] = {"values": values, "mean": statistics.fmean(values),
+        seeds = [seed for seed in per_seed if model in per_seed[seed]]
+        values = [per_seed[seed][model] for seed in seeds]
+        table[model] = {"seeds": seeds, "values": values, "mean": statistics.fmean(values),
                         "std": statistics.stdev(values) if len(values) > 1 else 0.0}
     gaps = []
     for worse, better in COMPARISONS:
         if worse not in table or better not in table:
             continue
-        paired = [per_seed[seed][better] - per_seed[seed][worse] for seed in per_seed]
+        both = [seed for seed in per_seed if worse in per_seed[seed] and better in per_seed[seed]]
+        paired = [per_seed[seed][better] - per_seed[seed][worse] for seed in both]
         mean_gap = table[better]["mean"] - table[worse]["mean"]
         spread = table[better]["std"] + table[worse]["std"]
         same_sign = all(g > 0 for g in paired) or all(g < 0 for g in paired)
-        gaps.append({"from": worse, "to": better, "gap": mean_gap, "paired": paired, "spread": spread,
+        gaps.append({"from": worse, "to": better, "seeds": both, "gap": mean_gap, "paired": paired, "spread": spread,
                      "beyond_spread": len(paired) > 1 and abs(mean_gap) > spread and same_sign})
     return {"seeds": list(per_seed), "models": table, "gaps": gaps}
 
@@ -51,7 +55,8 @@ def markdown(summary: dict[str, Any]) -> str:
              "| model | " + " | ".join(f"seed {s}" for s in seeds) + " | mean | std |",
              "|---|" + "---|" * (len(seeds) + 2)]
     for model, row in summary["models"].items():
-        lines.append(f"| {model} | " + " | ".join(f"{v:.3f}" for v in row["values"])
+        value = dict(zip(row["seeds"], row["values"]))
+        lines.append(f"| {model} | " + " | ".join(f"{value[s]:.3f}" if s in value else "-" for s in seeds)
                      + f" | {row['mean']:.3f} | {row['std']:.3f} |")
     lines += ["", "| comparison | gap of means | per-seed gaps | sum of stds | beyond the seed spread |",
               "|---|---|---|---|---|"]
@@ -60,6 +65,22 @@ def markdown(summary: dict[str, Any]) -> str:
                      + ", ".join(f"{g:+.3f}" for g in gap["paired"])
                      + f" | {gap['spread']:.3f} | {'yes' if gap['beyond_spread'] else 'no'} |")
     return "\n".join(lines) + "\n"
+
+
+def evaluated(run_dir: Path) -> dict[str, float]:
+    """Held-out success of every model a run evaluated, read from its ``eval-*.jsonl`` files
+    (what a stopped run leaves): resolved over attempts the environment did not abort, as
+    in the report."""
+    found = {}
+    for model in MODELS:
+        path = run_dir / f"eval-{slug(model)}.jsonl"
+        if not path.exists():
+            continue
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        valid = [row for row in rows if row["status"] != "aborted"]
+        if valid:
+            found[model] = sum(bool((row.get("grade") or {}).get("resolved")) for row in valid) / len(valid)
+    return found
 
 
 def _finished(config: PipelineConfig, ablations: bool) -> dict[str, Any] | None:
@@ -73,7 +94,7 @@ def _finished(config: PipelineConfig, ablations: bool) -> dict[str, Any] | None:
 
 
 def run_study(config: PipelineConfig, seeds: Sequence[int], ablations: bool = False,
-              progress: bool = True) -> dict[str, Any]:
+              progress: bool = True, summarize_only: bool = False) -> dict[str, Any]:
     """Every seed's pipeline (a seed already run with exactly this configuration is read back,
     so a stopped study resumes), then the summary in ``study.json`` and ``study.md``."""
     if len(set(seeds)) != len(seeds) or not seeds:
@@ -82,8 +103,14 @@ def run_study(config: PipelineConfig, seeds: Sequence[int], ablations: bool = Fa
     per_seed: dict[int, dict[str, float]] = {}
     for seed in seeds:
         seed_config = replace(config, seed=seed, output_dir=root / f"seed-{seed}")
+        if summarize_only:  # what each seed has evaluated so far
+            if evaluated(seed_config.output_dir):
+                per_seed[seed] = evaluated(seed_config.output_dir)
+            continue
         report = _finished(seed_config, ablations) or run_pipeline(seed_config, progress, ablations)
         per_seed[seed] = {model: r["pass_rate"] for model, r in report["results"].items()}
+    if not per_seed:
+        raise ValueError(f"no seed under {root} has evaluated anything yet")
     summary = summarize(per_seed)
     (root / "study.json").write_text(json.dumps(summary, indent=2))
     (root / "study.md").write_text(markdown(summary))

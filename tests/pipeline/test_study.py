@@ -25,6 +25,9 @@ def test_a_gap_is_beyond_the_spread_only_when_means_differ_by_more_than_both_std
     assert ("sft+rl (dapo)", "sft+rl") not in gaps, "arms that did not run are not compared"
     one = summarize({0: {"base": 0.1, "sft": 0.9}})
     assert not one["gaps"][0]["beyond_spread"], "one seed has no spread to be beyond"
+    partial = summarize({0: {"base": 0.1, "sft": 0.5, "sft (resolved)": 0.3}, 1: {"base": 0.2, "sft": 0.6}})
+    assert partial["models"]["sft (resolved)"] == {"seeds": [0], "values": [0.3], "mean": 0.3, "std": 0.0}
+    assert next(g for g in partial["gaps"] if g["from"] == "sft (resolved)")["seeds"] == [0]
 
 
 def test_a_two_seed_study_runs_every_arm_and_resumes_without_rerunning(orchard_backend_settings, kit_image,
@@ -56,5 +59,11 @@ def test_a_two_seed_study_runs_every_arm_and_resumes_without_rerunning(orchard_b
     again = CliRunner().invoke(cli, args)
     assert again.exit_code == 0, again.output
     assert (tmp_path / "study" / "seed-3" / "report.json").stat().st_mtime_ns == stamp, "finished seeds are read back"
+    # a stopped study is summarized from what each seed evaluated: the same figures as the reports
+    summary_file = tmp_path / "study" / "study.json"
+    summary_file.unlink()
+    partial = CliRunner().invoke(cli, [*args[:5], "--seeds", "3,4,9", "--summarize"])
+    assert partial.exit_code == 0, partial.output
+    assert json.loads(summary_file.read_text())["models"] == summary["models"], "seed 9 never ran: left out"
     bad = CliRunner().invoke(cli, ["pipeline", "--seeds", "0,x"])
     assert bad.exit_code != 0 and "--seeds" in bad.output
