@@ -80,7 +80,7 @@ class AgentSettings(BaseModel):
     pty_max_seconds: float = Field(86400, gt=0, description="an interactive process is killed after this long")
     pty_detach_grace_seconds: float = Field(30, ge=0, description="after its connection drops, an interactive "
                                             "process waits this long for the client to reattach, then is killed")
-    spawner: bool = Field(False, description="bwrap sandboxes: the holder forks commands itself (no orchard-enter "
+    spawner: bool = Field(True, description="bwrap sandboxes: the holder forks commands itself (no orchard-enter "
                           "exec and namespace entry per command; see orchard/agent/spawner.py); commands fall back to "
                           "orchard-enter whenever the spawner does not answer")
     cgroups_below_own: bool = Field(False, description="make sandbox cgroups below the agent's own (cgroup v1), so "

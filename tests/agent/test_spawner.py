@@ -11,6 +11,7 @@ import array
 import asyncio
 import json
 import os
+import shutil
 import signal
 import socket
 import struct
@@ -42,6 +43,21 @@ def spawner_client(spawner_settings):
     yield client
     client.close()
     stop_agent(spawner_settings)
+    shutil.rmtree(spawner_settings.state_dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def plain_client(agent_settings):
+    """An agent whose commands all go through orchard-enter."""
+    from orchard.backends.local.launcher import stop_agent
+    from orchard.client import Client
+
+    settings = agent_settings.model_copy(update={"state_dir": Path(f"{agent_settings.state_dir}-plain"), "spawner": False})
+    client = Client(backend="local", backend_settings={"agent": settings.model_dump(mode="json")})
+    yield client
+    client.close()
+    stop_agent(settings)
+    shutil.rmtree(settings.state_dir, ignore_errors=True)
 
 
 @pytest.fixture
@@ -71,8 +87,8 @@ def holder_pid(handle) -> int:
     raise AssertionError("no holder found")
 
 
-def test_commands_run_in_the_same_state_as_through_orchard_enter(sandbox, orchard_client):
-    plain = orchard_client.create("host")
+def test_commands_run_in_the_same_state_as_through_orchard_enter(sandbox, plain_client):
+    plain = plain_client.create("host")
     try:
         assert ppid(sandbox) == "1"  # forked by the holder
         assert ppid(plain) == "0"  # orchard-enter's child: its parent is outside the PID namespace
