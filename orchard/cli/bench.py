@@ -240,3 +240,45 @@ def session(image: str, samples: int, command: str, output: Optional[Path], dire
 
     result = with_client(url, api_key, backend, lambda client: run(client, image, samples, command), direct=direct)
     report(result, f"orchard bench session --samples {samples}", output)
+
+
+@bench.command("compare")
+@click.option("--targets", default=",".join(("orchard", "orchard-server", "swerex-local", "swerex-remote")),
+              show_default=True, help="comma-separated: orchard (SDK in process), orchard-server (through `orchard "
+                                      "serve`), swerex-local, swerex-remote")
+@click.option("-n", "--sandboxes", type=int, default=1, show_default=True,
+              help="sandboxes per target (SWE-ReX: bash sessions)")
+@click.option("-m", "--commands", type=int, default=300, show_default=True, help="`true` commands per target")
+@click.option("--python-commands", type=int, default=100, show_default=True,
+              help="small Python commands per target")
+@click.option("--chunk", type=int, default=25, show_default=True, help="commands of one target before the next")
+@click.option("--image", default="host", show_default=True)
+@click.option("--spawner/--no-spawner", default=True, show_default=True,
+              help="Orchard's agent forks commands from the sandbox's holder (else one orchard-enter each)")
+@click.option("--state-dir", type=click.Path(path_type=Path), default=None,
+              help="the agent's state directory (default: a fresh one, removed afterwards)")
+@click.option("--output", type=click.Path(path_type=Path), default=None, help="write the JSON here")
+@handle_errors
+def compare(targets: str, sandboxes: int, commands: int, python_commands: int, chunk: int, image: str,
+            spawner: bool, state_dir: Optional[Path], output: Optional[Path]) -> None:
+    """Orchard and SWE-ReX side by side in one run: p50/p99, commands/s, ratios to SWE-ReX remote."""
+    from orchard.bench.compare import run
+
+    names = [name.strip() for name in targets.split(",") if name.strip()]
+    result = asyncio.run(run(names, sandboxes, commands, python_commands, max(1, chunk), image, spawner, state_dir))
+    title = (f"orchard bench compare -n {sandboxes} -m {commands} --python-commands {python_commands}"
+             f"{'' if spawner else ' --no-spawner'}")
+    table = Table("target", "true p50 ms", "true p99 ms", "python p50 ms", "python p99 ms", "commands/s",
+                  "setup s", "ratio true / python", "CPU ms/cmd client / server", title=title)
+    ratios = result.get("ratio_to_swerex_remote", {})
+    for name in names:
+        entry = result[name]
+        ratio = ratios.get(name, {})
+        table.add_row(name, str(entry["true"]["p50_ms"]), str(entry["true"]["p99_ms"]), str(entry["python"]["p50_ms"]),
+                      str(entry["python"]["p99_ms"]), str(entry["commands_per_s"]), str(entry["setup_s"]),
+                      f"{ratio.get('true', '-')} / {ratio.get('python', '-')}" if ratio else "-",
+                      f"{entry['cpu_ms_per_command']['client']} / {entry['cpu_ms_per_command']['server']}")
+    out.print(table)
+    out.print(f"load average before/after: {result['load_average']}")
+    if output:
+        output.write_text(json.dumps(result, indent=2))

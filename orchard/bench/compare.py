@@ -1,0 +1,270 @@
+"""``orchard bench compare``: Orchard and SWE-ReX side by side, in one run.
+
+The same workload against each target: create N sandboxes (SWE-ReX: N bash sessions; it
+has no sandboxes), run ``true`` and a small Python command M times each, spread over the
+sandboxes, then tear down. Targets:
+
+- ``orchard``: the SDK in process -> the local agent (isolated: namespaces, no capabilities,
+  cgroup limits, seccomp);
+- ``orchard-server``: the SDK -> ``orchard serve`` (started here, on loopback) -> the same agent;
+- ``swerex-local``: SWE-ReX's ``LocalRuntime`` in process (``subprocess.run``, no isolation);
+- ``swerex-remote``: SWE-ReX's ``RemoteRuntime`` -> ``swerex-remote`` (started here, on
+  loopback; no isolation).
+
+Commands are sent in rounds (``--chunk`` commands of one target, then the next target), so
+a background load that comes and goes weighs on every target alike; ratios come from the
+same run. Latency is the caller's: from the call to its result.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+
+from orchard.bench.measure import cpu_seconds, percentile
+
+TRUE_COMMAND = "true"
+PYTHON_COMMAND = "python3 -c 'print(sum(range(1000)))'"
+TARGETS = ("orchard", "orchard-server", "swerex-local", "swerex-remote")
+REFERENCE = "swerex-remote"
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class Target:
+    """One way of running commands: set up N places to run them, run one, tear down."""
+
+    name = ""
+
+    def server_pid(self) -> Optional[int]:
+        """The process that serves this target's commands (for its CPU time), if any."""
+        return None
+
+    async def setup(self, count: int) -> None: ...
+
+    async def run(self, index: int, command: str) -> None: ...
+
+    async def teardown(self) -> None: ...
+
+
+class OrchardTarget(Target):
+    def __init__(self, name: str, url: Optional[str], api_key: Optional[str], agent: dict[str, Any], image: str) -> None:
+        self.name, self.url, self.api_key, self.agent, self.image = name, url, api_key, agent, image
+        self.client: Any = None
+        self.sandboxes: list[Any] = []
+
+    async def setup(self, count: int) -> None:
+        from orchard.client.aio import AsyncClient
+
+        if self.url:
+            self.client = AsyncClient(self.url, self.api_key)
+        else:
+            self.client = AsyncClient(backend="local", backend_settings={"agent": self.agent})
+        await self.client.__aenter__()
+        self.sandboxes = list(await asyncio.gather(*(self.client.create(self.image) for _ in range(count))))
+
+    def server_pid(self) -> Optional[int]:
+        import json
+
+        try:  # the agent: the in-process SDK's and the server's
+            return int(json.loads((Path(self.agent["state_dir"]) / "agent" / "agent.json").read_text())["pid"])
+        except (OSError, ValueError, KeyError):
+            return None
+
+    async def run(self, index: int, command: str) -> None:
+        job = await self.sandboxes[index].exec(command)
+        if job.exit_code != 0:
+            raise RuntimeError(f"{self.name}: {command!r} exited {job.exit_code}: {job.stderr[-300:]}")
+
+    async def teardown(self) -> None:
+        await asyncio.gather(*(sandbox.delete() for sandbox in self.sandboxes))
+        await self.client.close()
+
+
+class SwerexTarget(Target):
+    def __init__(self, name: str, remote: bool) -> None:
+        self.name, self.remote = name, remote
+        self.runtime: Any = None
+        self.server: Optional[subprocess.Popen] = None
+        self.sessions: list[str] = []
+
+    async def setup(self, count: int) -> None:
+        from swerex.runtime.abstract import CreateBashSessionRequest
+
+        if self.remote:
+            from swerex.runtime.remote import RemoteRuntime
+
+            port, token = _free_port(), secrets.token_hex(8)
+            self.server = subprocess.Popen(
+                [sys.executable, "-c", "from swerex.server import main; main()", "--host", "127.0.0.1", "--port",
+                 str(port), "--auth-token", token], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            self.runtime = RemoteRuntime(host="http://127.0.0.1", port=port, auth_token=token)
+            await self.runtime.wait_until_alive(timeout=60)
+        else:
+            from swerex.runtime.local import LocalRuntime
+
+            self.runtime = LocalRuntime()
+        self.sessions = [f"s{k}" for k in range(count)]
+        await asyncio.gather(*(self.runtime.create_session(CreateBashSessionRequest(session=name))
+                               for name in self.sessions))
+
+    def server_pid(self) -> Optional[int]:
+        return self.server.pid if self.server is not None else None
+
+    async def run(self, index: int, command: str) -> None:
+        from swerex.runtime.abstract import Command
+
+        response = await self.runtime.execute(Command(command=command, shell=True))
+        if response.exit_code != 0:
+            raise RuntimeError(f"{self.name}: {command!r} exited {response.exit_code}: {response.stderr[-300:]}")
+
+    async def teardown(self) -> None:
+        from swerex.runtime.abstract import CloseBashSessionRequest
+
+        await asyncio.gather(*(self.runtime.close_session(CloseBashSessionRequest(session=name))
+                               for name in self.sessions))
+        await self.runtime.close()
+        if self.server is not None:
+            self.server.terminate()
+            self.server.wait(10)
+
+
+class OrchardServer:
+    """``orchard serve`` on loopback over the local backend with the given agent settings."""
+
+    def __init__(self, agent: dict[str, Any], directory: Path) -> None:
+        self.port, self.api_key = _free_port(), secrets.token_hex(16)
+        config = {"host": "127.0.0.1", "port": self.port, "api_key": self.api_key, "log_level": "warning",
+                  "state": str(directory / "server.db"), "backend": {"name": "local", "settings": {"agent": agent}}}
+        path = directory / "server.yaml"
+        path.write_text(yaml.safe_dump(config))
+        self.process = subprocess.Popen([sys.executable, "-m", "orchard.cli", "serve", "--config", str(path)],
+                                        stdout=subprocess.DEVNULL, stderr=open(directory / "server.log", "wb"))
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    async def wait_ready(self, timeout: float = 60) -> None:
+        import httpx
+
+        deadline = time.monotonic() + timeout
+        async with httpx.AsyncClient() as http:
+            while time.monotonic() < deadline:
+                if self.process.poll() is not None:
+                    raise RuntimeError(f"orchard serve exited with {self.process.returncode}")
+                try:
+                    if (await http.get(f"{self.url}/health")).status_code == 200:
+                        return
+                except httpx.HTTPError:
+                    pass
+                await asyncio.sleep(0.2)
+        raise RuntimeError("orchard serve did not become ready")
+
+    def stop(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(20)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+
+
+def _own_cpu() -> float:
+    """CPU of this process and its reaped children (SWE-ReX local's commands)."""
+    times = os.times()
+    return times.user + times.system + times.children_user + times.children_system
+
+
+def _summary(latencies: list[float]) -> dict[str, float]:
+    return {"p50_ms": round(percentile(latencies, 50), 3), "p99_ms": round(percentile(latencies, 99), 3),
+            "n": len(latencies)}
+
+
+async def run(targets: list[str], sandboxes: int, commands: int, python_commands: int, chunk: int, image: str,
+              spawner: bool, state_dir: Optional[Path]) -> dict[str, Any]:
+    """The comparison; the figures of each target and the ratios to SWE-ReX remote's."""
+    from orchard.agent.settings import AgentSettings
+    from orchard.backends.local.launcher import stop_agent
+
+    work = Path(tempfile.mkdtemp(prefix="orchard-compare-"))
+    os.chmod(work, 0o711)  # sandbox roots below it must be reachable by the sandbox uid
+    state = state_dir or work / "state"
+    agent = {"state_dir": str(state), "spawner": spawner, "idle_exit_seconds": 300}
+    server: Optional[OrchardServer] = None
+    chosen: list[Target] = []
+    for name in targets:
+        if name == "orchard":
+            chosen.append(OrchardTarget(name, None, None, agent, image))
+        elif name == "orchard-server":
+            server = OrchardServer(agent, work)
+            chosen.append(OrchardTarget(name, server.url, server.api_key, agent, image))
+        elif name in ("swerex-local", "swerex-remote"):
+            chosen.append(SwerexTarget(name, remote=name == "swerex-remote"))
+        else:
+            raise ValueError(f"unknown target {name!r} (known: {', '.join(TARGETS)})")
+    results: dict[str, Any] = {}
+    lat: dict[str, dict[str, list[float]]] = {t.name: {"true": [], "python": []} for t in chosen}
+    busy = {t.name: 0.0 for t in chosen}
+    cpu = {t.name: [0.0, 0.0] for t in chosen}  # this process (the client), the serving process
+    try:
+        if server is not None:
+            await server.wait_ready()
+        for target in chosen:
+            started = time.perf_counter()
+            await target.setup(sandboxes)
+            results[target.name] = {"setup_s": round(time.perf_counter() - started, 3)}
+            for k in range(sandboxes):  # warm-up: one of each command per sandbox, not counted
+                await target.run(k, TRUE_COMMAND)
+                await target.run(k, PYTHON_COMMAND)
+        plan = [("true", TRUE_COMMAND)] * commands + [("python", PYTHON_COMMAND)] * python_commands
+        load_before = os.getloadavg()
+        for start in range(0, len(plan), chunk):
+            for target in chosen:
+                pid = target.server_pid()
+                client_cpu, server_cpu = _own_cpu(), cpu_seconds(pid) if pid else 0.0
+                for offset, (kind, command) in enumerate(plan[start:start + chunk]):
+                    began = time.perf_counter()
+                    await target.run((start + offset) % sandboxes, command)
+                    spent = time.perf_counter() - began
+                    lat[target.name][kind].append(spent * 1000)
+                    busy[target.name] += spent
+                cpu[target.name][0] += _own_cpu() - client_cpu
+                cpu[target.name][1] += (cpu_seconds(pid) if pid else 0.0) - server_cpu
+        load_after = os.getloadavg()
+        for target in chosen:
+            started = time.perf_counter()
+            await target.teardown()
+            results[target.name]["teardown_s"] = round(time.perf_counter() - started, 3)
+    finally:
+        if server is not None:
+            server.stop()
+        stop_agent(AgentSettings(state_dir=state))
+        shutil.rmtree(work, ignore_errors=True)
+    for target in chosen:
+        entry = results[target.name]
+        entry["true"] = _summary(lat[target.name]["true"])
+        entry["python"] = _summary(lat[target.name]["python"])
+        entry["commands_per_s"] = round(len(plan) / busy[target.name], 1) if busy[target.name] else 0.0
+        entry["cpu_ms_per_command"] = {"client": round(cpu[target.name][0] * 1000 / len(plan), 3),
+                                       "server": round(cpu[target.name][1] * 1000 / len(plan), 3)}
+    reference = results.get(REFERENCE)
+    if reference is not None:
+        results["ratio_to_swerex_remote"] = {
+            t.name: {kind: round(results[t.name][kind]["p50_ms"] / reference[kind]["p50_ms"], 3)
+                     for kind in ("true", "python") if reference[kind]["p50_ms"]}
+            for t in chosen if t.name != REFERENCE}
+    results["load_average"] = {"before": [round(x, 2) for x in load_before], "after": [round(x, 2) for x in load_after]}
+    results["spawner"] = spawner
+    return results
