@@ -203,8 +203,8 @@ class SpawnerClient:
             await asyncio.wait([readable, exited], timeout=START_TIMEOUT, return_when=asyncio.FIRST_COMPLETED)
         finally:
             self._loop.remove_reader(ours.fileno())
-        if exited.done() and exited.exception() is not None:
-            raise SpawnerUnavailable(str(exited.exception()))
+        if exited.done() and not readable.done():  # "fail", or the child died before saying who it is
+            raise SpawnerUnavailable(str(exited.exception() or "the command died before it started"))
         if not readable.done():
             self._unhealthy("no answer in time")
             raise SpawnerUnavailable("the spawner did not answer in time")
