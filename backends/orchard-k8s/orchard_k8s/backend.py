@@ -155,12 +155,24 @@ class KubernetesBackend(AgentBackedBackend):
             await self._watch.wait_for(name, lambda pod: pod is None, self.start_timeout(spec))
         token = secrets.token_urlsafe(32)
         async with self._slots:
-            made = await self._call(self._core.create_namespaced_pod, self.config.namespace,
-                                    manifests.pod_manifest(spec, self.config))
-            self._tokens[name] = token
-            owner = {"name": made.metadata.name, "uid": made.metadata.uid}
-            await self._call(self._core.create_namespaced_secret, self.config.namespace,
-                             manifests.secret_manifest(sandbox_id, token, self.config, owner))
+            try:
+                made = await self._call(self._core.create_namespaced_pod, self.config.namespace,
+                                        manifests.pod_manifest(spec, self.config))
+            except SandboxConflict:  # another server made it and our watch has yet to show it
+                made = None
+            if made is not None:
+                self._tokens[name] = token
+                owner = {"name": made.metadata.name, "uid": made.metadata.uid}
+                await self._call(self._core.create_namespaced_secret, self.config.namespace,
+                                 manifests.secret_manifest(sandbox_id, token, self.config, owner))
+        if made is None:
+            await self._watch.wait_for(name, lambda pod: pod is not None, self.start_timeout(spec))
+            return await self.placed(sandbox_id) or await self.place(spec)  # adopted, or deleted: once more
+        return await self._settled(sandbox_id, spec)
+
+    async def _settled(self, sandbox_id: str, spec: SandboxSpec) -> AgentSite:
+        """The pod's site once it is ready; a pod that fails to start is deleted, and why raised."""
+        name = manifests.pod_name(sandbox_id)
         seen = False
 
         def settled(pod: Optional[dict[str, Any]]) -> bool:
@@ -186,9 +198,22 @@ class KubernetesBackend(AgentBackedBackend):
         return await self._site(sandbox_id, pod)
 
     async def placed(self, sandbox_id: str) -> Optional[AgentSite]:
+        """The pod of a create asked again. One that a server made but did not see ready (it was
+        restarted, or another replica died meanwhile) is waited for; one whose key Secret was
+        never made (its creator died between the two calls) can never start: it is deleted, and
+        the sandbox placed afresh."""
         await self._start()
-        pod = self._watch.pods.get(manifests.pod_name(sandbox_id))
-        return None if pod is None else await self._site(sandbox_id, pod)
+        name = manifests.pod_name(sandbox_id)
+        pod = self._watch.pods.get(name)
+        if pod is None or name in self._deleted:
+            return None
+        if pods.is_ready(pod) or pods.lost_reason(pod) is not None:
+            return await self._site(sandbox_id, pod)
+        if await self._token(name, sandbox_id) is None:
+            await self._delete(name)  # place() waits for the watch to see it gone
+            return None
+        spec = manifests.spec_of((pod.get("metadata") or {}).get("annotations") or {})
+        return await self._settled(sandbox_id, spec or SandboxSpec(image="unknown", sandbox_id=sandbox_id))
 
     async def locate(self, sandbox_id: str) -> AgentSite:
         await self._start()

@@ -4,7 +4,7 @@ Each sandbox is created (the answer comes once its pod is ready and its agent an
 runs one command (straight to the pod, never through the API server) and is deleted; at
 most ``concurrency`` are alive at once. Reports create-to-ready percentiles and the API
 requests the backend made per life cycle (its own count, from ``/resources``; the shared
-watch apart). Against the Pod-API test double the double's own count is added by the
+watch apart), over every life cycle tried: a create that fails costs its calls too. Against the Pod-API test double the double's own count is added by the
 caller (``cli.py``): it sees every request, whoever makes it.
 """
 
@@ -125,5 +125,5 @@ async def measure(settings: dict[str, Any], image: str, sandboxes: int, concurre
             "create_to_ready_p50_ms": round(percentile(latencies, 50) * 1000, 1),
             "create_to_ready_p99_ms": round(percentile(latencies, 99) * 1000, 1),
             "wall_s": round(wall, 1), "life_cycles_per_s": round(done / wall, 2) if wall else 0.0,
-            "backend_api_calls": calls, "backend_api_calls_per_life_cycle": round(calls / done, 3) if done else None,
+            "backend_api_calls": calls, "backend_api_calls_per_life_cycle": round(calls / sandboxes, 3),
             "watch_lists": after["watch_lists"], "failures": failures[:10]}

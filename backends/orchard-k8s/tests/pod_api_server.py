@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import errno
 import json
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -132,7 +134,7 @@ class PodApiTestServer:
         self.watch_delay = 0.0  # seconds between a change and its watch event
         self._watchers: list[tuple[str, str, Optional[str], asyncio.Queue]] = []
         self._pods: dict[str, dict[str, Any]] = {}  # pod name -> kubelet state (process, relay, ip)
-        self._next_ip = 1
+        self._next_ip = secrets.randbelow(200 << 16) + (1 << 16)  # 127.1.0.0 - 127.200.255.255, from anywhere
         self._work = Path(tempfile.mkdtemp(prefix="orchard-k8s-kubelet-"))
         self._work.chmod(0o711)
         self._empty = self._work / "empty"
@@ -395,15 +397,16 @@ class PodApiTestServer:
             why = self.pull_errors.get(image, f'failed to pull image "{image}": not found')
             self._waiting(namespace, name, "ErrImagePull", why)
             return
+        uid = pod["metadata"]["uid"]
         token = await self._secret_value(namespace, container)
+        if (self._pod(namespace, name) or {}).get("metadata", {}).get("uid") != uid:
+            return  # deleted meanwhile (another pod may have its name now)
         if token is None:
             self._waiting(namespace, name, "CreateContainerConfigError", "secret not found")
             return
         state = self._pods.get(name)
         if state is None:
             return
-        ip = f"127.1.{self._next_ip // 250}.{self._next_ip % 250 + 1}"
-        self._next_ip += 1
         port = int(container["command"][container["command"].index(AGENT_PORT_ARG) + 1])
         limits = (container.get("resources") or {}).get("limits") or {}
         from orchard.quantities import parse_bytes
@@ -437,7 +440,7 @@ class PodApiTestServer:
                                                        preexec_fn=lambda: [p.write_text(str(os.getpid()))
                                                                            for p in cgroups])
         listener.close()
-        relay = await asyncio.start_server(lambda r, w: self._relay(directory / "agent.sock", r, w), ip, port)
+        ip, relay = await self._pod_address(directory / "agent.sock", port)
         state.update(process=process, relay=relay, ip=ip, directory=directory)
         if not await self._agent_healthy(directory / "agent.sock", process):
             log = (directory / "agent.log").read_text(errors="replace")[-1500:]
@@ -451,6 +454,21 @@ class PodApiTestServer:
         code = await process.wait()
         if name in self._pods and not state.get("stopping"):
             self._terminated(namespace, name, state.get("ended_as", "Error"), code)
+
+    async def _pod_address(self, socket_path: Path, port: int) -> tuple[str, asyncio.AbstractServer]:
+        """A loopback address of the pod's own, its agent's port relayed there; an address
+        another double on this host holds (tests and a bench at once) is skipped."""
+        for _ in range(1000):
+            self._next_ip += 1
+            if self._next_ip & 255 in (0, 255):
+                continue
+            ip = f"127.{self._next_ip >> 16 & 255}.{self._next_ip >> 8 & 255}.{self._next_ip & 255}"
+            try:
+                return ip, await asyncio.start_server(lambda r, w: self._relay(socket_path, r, w), ip, port)
+            except OSError as exc:
+                if exc.errno != errno.EADDRINUSE:
+                    raise
+        raise RuntimeError("no free loopback address for a pod")
 
     async def _secret_value(self, namespace: str, container: dict[str, Any]) -> Optional[str]:
         import base64
@@ -466,7 +484,10 @@ class PodApiTestServer:
             await asyncio.sleep(0.02)
         return None
 
-    async def _agent_healthy(self, path: Path, process: asyncio.subprocess.Process, timeout: float = 30) -> bool:
+    async def _agent_healthy(self, path: Path, process: asyncio.subprocess.Process, timeout: float = 600) -> bool:
+        """Whether the agent answers /health before it exits: a kubelet keeps a pod unready
+        while its readiness probe fails and never kills it for that (the bound only keeps a
+        stuck double from waiting for ever; on a busy host an agent may take a minute)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline and process.returncode is None:
             try:

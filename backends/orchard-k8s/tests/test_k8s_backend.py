@@ -140,3 +140,44 @@ def test_a_deleted_sandbox_is_gone_at_once_even_before_the_watch_says_so(k8s, po
         assert sandbox.id not in {s.sandbox_id for s in k8s.list()}
     finally:
         pod_api.watch_delay = 0.0
+
+
+def test_a_create_asked_again_after_its_creator_died_finishes_or_starts_over(k8s_settings, pod_api):
+    """Another server (a replica that died, or this one before a restart) made the pod and
+    never saw it ready: a create of that sandbox asked again waits for the pod and adopts it;
+    if that server died between the pod and its key Secret, the pod can never start, so it
+    is deleted and the sandbox made afresh. Before, the create failed: 409 while this server's
+    watch had not yet shown the pod (seen failing so), 410 'lost' while the pod was starting."""
+    import asyncio
+    import base64
+    import secrets
+
+    from kubernetes import client, config as kube_config
+
+    from orchard.backends.loading import load_backend
+    from orchard.models import SandboxSpec
+
+    api = client.CoreV1Api(kube_config.new_client_from_config(k8s_settings["kubeconfig"]))
+    namespace = k8s_settings["namespace"]
+
+    async def scenario() -> None:
+        backend = load_backend("k8s", k8s_settings)
+        await backend.resources()  # the shared watch runs: the create below finds the pod still starting
+        settings = backend.config
+        for with_secret in (True, False):
+            spec = SandboxSpec(image=KIT_IMAGE, sandbox_id=f"died-{secrets.token_hex(4)}")
+            made = api.create_namespaced_pod(namespace, manifests.pod_manifest(spec, settings))  # the dead server
+            if with_secret:
+                owner = {"name": made.metadata.name, "uid": made.metadata.uid}
+                api.create_namespaced_secret(namespace, manifests.secret_manifest(
+                    str(spec.sandbox_id), secrets.token_urlsafe(32), settings, owner))
+            sandbox = await backend.create(spec)
+            assert sandbox.status == "ready"
+            pod = api.read_namespaced_pod(manifests.pod_name(str(spec.sandbox_id)), namespace)
+            assert (pod.metadata.uid == made.metadata.uid) is with_secret  # adopted, or made afresh
+            secret = api.read_namespaced_secret(manifests.secret_name(str(spec.sandbox_id)), namespace)
+            assert base64.b64decode(secret.data["token"]).decode() == (await backend.endpoint(spec.sandbox_id)).token
+            await backend.delete(str(spec.sandbox_id))
+        await backend.close()
+
+    asyncio.run(scenario())
