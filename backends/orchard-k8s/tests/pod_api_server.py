@@ -443,7 +443,10 @@ class PodApiTestServer:
         ip, relay = await self._pod_address(directory / "agent.sock", port)
         state.update(process=process, relay=relay, ip=ip, directory=directory)
         if not await self._agent_healthy(directory / "agent.sock", process):
-            log = (directory / "agent.log").read_text(errors="replace")[-1500:]
+            try:
+                log = (directory / "agent.log").read_text(errors="replace")[-1500:]
+            except OSError:  # the pod was deleted while its agent started
+                log = ""
             self._terminated(namespace, name, "Error", process.returncode or 1, message=log)
             return
         self._set_status(namespace, name, phase="Running", podIP=ip, podIPs=[{"ip": ip}], startTime=now(),
