@@ -83,6 +83,10 @@ class Reconciler:
             await asyncio.wait_for(service.backend.maintain(), settings.list_timeout)
         except Exception as exc:  # housekeeping failing must not stop the reconciliation
             self._count("maintain_failed", error=f"{type(exc).__name__}: {exc}")
+        # Only sandboxes already created before the listing can be missing from it: one whose
+        # slow create ended during the listing is not lost (it was, when creates took longer
+        # than lost_grace); the records are read again after it, for orphans and deletes.
+        settled = {r.sandbox.sandbox_id for r in service.store.list_sandboxes() if r.sandbox.status != "pending"}
         try:
             live = {s.sandbox_id: s for s in await asyncio.wait_for(service.backend.list(), settings.list_timeout)}
         except Exception as exc:  # never act on a failed or partial listing
@@ -91,7 +95,8 @@ class Reconciler:
         known = {record.sandbox.sandbox_id: record for record in service.store.list_sandboxes()}
         for sandbox_id, record in known.items():
             status = record.sandbox.status
-            if status in ("lost", "pending") or now - record.sandbox.created_at < settings.lost_grace:
+            if status in ("lost", "pending") or sandbox_id not in settled \
+                    or now - record.sandbox.created_at < settings.lost_grace:
                 continue
             seen = live.get(sandbox_id)
             if seen is None:
