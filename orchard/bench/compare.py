@@ -22,7 +22,6 @@ import asyncio
 import os
 import secrets
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -30,20 +29,14 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-import yaml
 
 from orchard.bench.measure import cpu_seconds, percentile
+from orchard.bench.serve_process import ServeProcess, free_port
 
 TRUE_COMMAND = "true"
 PYTHON_COMMAND = "python3 -c 'print(sum(range(1000)))'"
 TARGETS = ("orchard", "orchard-server", "swerex-local", "swerex-remote")
 REFERENCE = "swerex-remote"
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class Target:
@@ -109,7 +102,7 @@ class SwerexTarget(Target):
         if self.remote:
             from swerex.runtime.remote import RemoteRuntime
 
-            port, token = _free_port(), secrets.token_hex(8)
+            port, token = free_port(), secrets.token_hex(8)
             self.server = subprocess.Popen(
                 [sys.executable, "-c", "from swerex.server import main; main()", "--host", "127.0.0.1", "--port",
                  str(port), "--auth-token", token], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -144,43 +137,6 @@ class SwerexTarget(Target):
             self.server.wait(10)
 
 
-class OrchardServer:
-    """``orchard serve`` on loopback over the local backend with the given agent settings."""
-
-    def __init__(self, agent: dict[str, Any], directory: Path) -> None:
-        self.port, self.api_key = _free_port(), secrets.token_hex(16)
-        config = {"host": "127.0.0.1", "port": self.port, "api_key": self.api_key, "log_level": "warning",
-                  "state": str(directory / "server.db"), "backend": {"name": "local", "settings": {"agent": agent}}}
-        path = directory / "server.yaml"
-        path.write_text(yaml.safe_dump(config))
-        self.process = subprocess.Popen([sys.executable, "-m", "orchard.cli", "serve", "--config", str(path)],
-                                        stdout=subprocess.DEVNULL, stderr=open(directory / "server.log", "wb"))
-        self.url = f"http://127.0.0.1:{self.port}"
-
-    async def wait_ready(self, timeout: float = 60) -> None:
-        import httpx
-
-        deadline = time.monotonic() + timeout
-        async with httpx.AsyncClient() as http:
-            while time.monotonic() < deadline:
-                if self.process.poll() is not None:
-                    raise RuntimeError(f"orchard serve exited with {self.process.returncode}")
-                try:
-                    if (await http.get(f"{self.url}/health")).status_code == 200:
-                        return
-                except httpx.HTTPError:
-                    pass
-                await asyncio.sleep(0.2)
-        raise RuntimeError("orchard serve did not become ready")
-
-    def stop(self) -> None:
-        self.process.terminate()
-        try:
-            self.process.wait(20)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-
-
 def _own_cpu() -> float:
     """CPU of this process and its reaped children (SWE-ReX local's commands)."""
     times = os.times()
@@ -202,13 +158,13 @@ async def run(targets: list[str], sandboxes: int, commands: int, python_commands
     os.chmod(work, 0o711)  # sandbox roots below it must be reachable by the sandbox uid
     state = state_dir or work / "state"
     agent = {"state_dir": str(state), "spawner": spawner, "idle_exit_seconds": 300}
-    server: Optional[OrchardServer] = None
+    server: Optional[ServeProcess] = None
     chosen: list[Target] = []
     for name in targets:
         if name == "orchard":
             chosen.append(OrchardTarget(name, None, None, agent, image))
         elif name == "orchard-server":
-            server = OrchardServer(agent, work)
+            server = ServeProcess({"name": "local", "settings": {"agent": agent}}, work)
             chosen.append(OrchardTarget(name, server.url, server.api_key, agent, image))
         elif name in ("swerex-local", "swerex-remote"):
             chosen.append(SwerexTarget(name, remote=name == "swerex-remote"))

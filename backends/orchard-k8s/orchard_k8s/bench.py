@@ -12,62 +12,15 @@ from __future__ import annotations
 
 import asyncio
 import secrets
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import httpx
-import yaml
 
 from orchard.bench.measure import percentile
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-class ServeProcess:
-    """``orchard serve --backend k8s`` on loopback, its state in a scratch directory."""
-
-    def __init__(self, settings: dict[str, Any], directory: Path) -> None:
-        self.port, self.api_key = _free_port(), secrets.token_hex(16)
-        config = {"host": "127.0.0.1", "port": self.port, "api_key": self.api_key, "log_level": "warning",
-                  "state": str(directory / "server.db"), "backend": {"name": "k8s", "settings": settings}}
-        path = directory / "server.yaml"
-        path.write_text(yaml.safe_dump(config))
-        self.log = directory / "server.log"
-        self.process = subprocess.Popen([sys.executable, "-m", "orchard.cli", "serve", "--config", str(path)],
-                                        stdout=subprocess.DEVNULL, stderr=open(self.log, "wb"))
-        self.url = f"http://127.0.0.1:{self.port}"
-
-    async def wait_ready(self, http: httpx.AsyncClient, timeout: float = 60) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"orchard serve exited with {self.process.returncode}: "
-                                   f"{self.log.read_text(errors='replace')[-2000:]}")
-            try:
-                if (await http.get("/health")).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            await asyncio.sleep(0.2)
-        raise RuntimeError("orchard serve did not become ready")
-
-    def stop(self) -> None:
-        self.process.terminate()
-        try:
-            self.process.wait(30)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait(10)
+from orchard.bench.serve_process import ServeProcess
 
 
 async def _life_cycle(http: httpx.AsyncClient, body: dict[str, Any]) -> float:
@@ -92,7 +45,7 @@ async def measure(settings: dict[str, Any], image: str, sandboxes: int, concurre
                   memory: str = "128Mi") -> dict[str, Any]:
     """Run the life cycles; the backend's API counts are read before and after."""
     directory = Path(tempfile.mkdtemp(prefix="orchard-bench-k8s-"))
-    server = ServeProcess(settings, directory)
+    server = ServeProcess({"name": "k8s", "settings": settings}, directory)
     run = secrets.token_hex(3)
     latencies: list[float] = []
     failures: list[str] = []
@@ -100,7 +53,7 @@ async def measure(settings: dict[str, Any], image: str, sandboxes: int, concurre
         limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
         async with httpx.AsyncClient(base_url=server.url, headers={"X-API-Key": server.api_key}, timeout=600,
                                      limits=limits) as http:
-            await server.wait_ready(http)
+            await server.wait_ready()
             before = (await http.get("/resources")).json()["capacity"]  # connects, starts the watch
             gate = asyncio.Semaphore(concurrency)
 
