@@ -46,8 +46,8 @@ class PipelineConfig:
     sft: dict = field(default_factory=lambda: {"epochs": 20, "learning_rate": 1e-3, "min_learning_rate": 1e-4,
                                                "global_batch_size": 8, "micro_batch_size": 8})
     rl: dict = field(default_factory=lambda: {"steps": 24, "rollout_budget": 384, "tasks_per_step": 8, "group_size": 4,
-                                              "max_rollouts": 8, "stride": 4, "learning_rate": 3e-4,
-                                              "micro_batch_size": 8})
+                                              "max_rollouts": 8, "stride": 4, "learning_rate": 1e-4,
+                                              "loss": {"kl_coef": 0.1}, "micro_batch_size": 8})
     rollout: dict = field(default_factory=lambda: {"max_turns": 5, "max_tokens_per_turn": 48,
                                                    "max_total_tokens": 1024, "time_limit_seconds": 120})
     eval_attempts: int = field(default=2, metadata={"help": "attempts per held-out task and model"})
@@ -66,7 +66,7 @@ QUICK = {"tasks": 160, "model": {"pretrain_steps": 100}, "expert_attempts": 1, "
          "sft": {"epochs": 20, "learning_rate": 1e-3, "min_learning_rate": 1e-4, "global_batch_size": 8,
                  "micro_batch_size": 8},
          "rl": {"steps": 4, "tasks_per_step": 6, "group_size": 4, "max_rollouts": 8, "stride": 4,
-                "learning_rate": 3e-4, "micro_batch_size": 8}}
+                "learning_rate": 1e-4, "loss": {"kl_coef": 0.1}, "micro_batch_size": 8}}
 
 
 class Pipeline:
