@@ -7,8 +7,10 @@ of the package, plus decoys named after functions of other tasks, up to ``size``
 shuffled order. The buggy function's candidate is the task's reference fix; the others are
 harmless edits (a comment) that apply cleanly and fix nothing. The issue gains the call path
 of the failure, as a traceback would show it (the function the issue names, then the helper
-it calls where the bug sits), each frame with its candidate's number, and the numbered list
-of candidates. An agent resolves the task by applying the right candidate
+it calls where the bug sits), each frame with its candidate's number, and how many candidates
+there are (numbers only: a list of names let a model map a training variant's names to the
+buggy one's number without reading the call path, a shortcut no held-out variant allows).
+An agent resolves the task by applying the right candidate
 (``git apply .candidates/N.diff``) and submitting: the skill is reading the innermost frame
 of the call path (held-out tasks come from held-out variants, with names never seen).
 Grading is unchanged: the tests run in a fresh fork of the starting state. This is a small
@@ -101,12 +103,13 @@ def to_choice_task(task: Task, decoys: Sequence[str] = (), size: int = 6, seed: 
     files[".gitignore"] = files.get(".gitignore", "") + f"{CANDIDATES}/\n"
     for name, diff in candidates.items():
         files[f"{CANDIDATES}/{number[name]}.diff"] = diff
-    listing = ", ".join(f"{n} {name}" for name, n in sorted(number.items(), key=lambda item: item[1]))
     title = task.problem_statement.strip().splitlines()[0]  # the examples below it are left out: short prompts
-    # the call path comes last, nearest the answer: a model this small learns to read a frame a few
-    # tokens back within minutes, and does not learn it in the same budget when the list stands between
-    statement = (f"{title}\n\nCandidate fixes (apply one with `git apply {CANDIDATES}/N.diff`): {listing}.\n\n"
-                 f"{_call_path(task, fix_in, number)}")
+    # The list gives numbers, not names: a variant's function names come from its own pools, so on training
+    # variants "this name in the title -> that name's number in the list" resolves a task without reading
+    # the call path, and fails on every held-out variant (names never seen). The call path comes last,
+    # nearest the answer: a model this small learns to read a frame a few tokens back within minutes.
+    statement = (f"{title}\n\nCandidate fixes 1 to {len(number)}, one per function (apply one with "
+                 f"`git apply {CANDIDATES}/N.diff`).\n\n{_call_path(task, fix_in, number)}")
     metadata = {**task.metadata, "choice": {"fix": str(number[fix_in]), "candidates": [str(n) for n in number.values()],
                                             "names": {str(n): name for name, n in number.items()}}}
     return task.model_copy(update={"task_id": f"{task.task_id}-choice", "files": files,
