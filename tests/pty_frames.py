@@ -86,3 +86,15 @@ class Frames:
             assert exc.rcvd is not None
             return exc.rcvd.code
         raise AssertionError(f"expected a refusal, got {frame}")
+
+
+def python_repl(term: Frames, exit_code: int) -> None:
+    """A Python REPL on ``term`` (already ``ready``): evaluate, resize, see the new size, exit."""
+    term.until_output(">>> ")
+    term.stdin("print(sum(range(10)))\n")
+    term.until_output("45")
+    term.send(type="resize", rows=50, cols=132)
+    term.stdin("import shutil; print(shutil.get_terminal_size())\n")
+    term.until_output("os.terminal_size(columns=132, lines=50)")
+    term.stdin(f"raise SystemExit({exit_code})\n")
+    assert term.until_end() == {"type": "exit", "code": exit_code}

@@ -3,7 +3,7 @@ exactly the original's frames: real processes on real terminals in real sandboxe
 
 from __future__ import annotations
 
-from tests.pty_frames import Frames, open_socket
+from tests.pty_frames import Frames, open_socket, python_repl
 
 
 def pty(pty_agent, sandbox_id: str, via: str = "query") -> Frames:
@@ -15,16 +15,9 @@ def test_python_repl(pty_agent, pty_sandbox):
     term = pty(pty_agent, pty_sandbox["sandbox_id"])
     ready = term.init(["python3", "-q"], rows=30, cols=100)
     assert ready["type"] == "ready" and ready["pid"] > 0
-    term.until_output(">>> ")
-    term.stdin("6 * 7\n")
-    term.until_output("42")
     term.stdin("import os, shutil; print(os.getuid(), shutil.get_terminal_size())\n")
     term.until_output("1000 os.terminal_size(columns=100, lines=30)")
-    term.send(type="resize", rows=50, cols=132)
-    term.stdin("print(shutil.get_terminal_size())\n")
-    term.until_output("os.terminal_size(columns=132, lines=50)")
-    term.stdin("raise SystemExit(3)\n")
-    assert term.until_end() == {"type": "exit", "code": 3}
+    python_repl(term, exit_code=3)
 
 
 def test_read_with_a_prompt_and_the_key_in_each_place(pty_agent, pty_sandbox):

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from orchard.agent.settings import AgentSettings
-from tests.pty_frames import Frames, open_socket
+from tests.pty_frames import Frames, open_socket, python_repl
 from tests.server.conftest import API_KEY, ServerProcess
 
 
@@ -42,14 +42,7 @@ def test_python_repl_through_the_server(served, sandbox):
     server, _ = served
     term = pty(server, sandbox["sandbox_id"], via="protocol")
     assert term.init(["python3", "-q"])["type"] == "ready"
-    term.until_output(">>> ")
-    term.stdin("print(sum(range(10)))\n")
-    term.until_output("45")
-    term.send(type="resize", rows=40, cols=90)
-    term.stdin("import shutil; print(shutil.get_terminal_size())\n")
-    term.until_output("columns=90, lines=40")
-    term.stdin("exit(5)\n")
-    assert term.until_end() == {"type": "exit", "code": 5}
+    python_repl(term, exit_code=5)
 
 
 def test_read_prompt_ctrl_c_and_exit_codes(served, sandbox):
