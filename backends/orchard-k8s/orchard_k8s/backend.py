@@ -241,6 +241,15 @@ class KubernetesBackend(AgentBackedBackend):
         await asyncio.sleep(0.5)  # the watch reports an evicted or deleted pod within moments
         return await self._site(sandbox_id, self._watch.pods.get(site.key))
 
+    async def delete(self, sandbox_id: str) -> None:
+        """A sandbox whose pod has not started (no address yet; a create cut by its replica's
+        death leaves such pods) has no agent to ask: its pod is deleted, and that is all."""
+        site = await self.locate(sandbox_id)
+        if site.api is None and site.lost is None:
+            await self.release(site, sandbox_id)
+            return
+        await super().delete(sandbox_id)
+
     async def release(self, site: AgentSite, sandbox_id: str, *, failed: bool = False) -> None:
         await self._delete(site.key)
 

@@ -181,3 +181,35 @@ def test_a_create_asked_again_after_its_creator_died_finishes_or_starts_over(k8s
         await backend.close()
 
     asyncio.run(scenario())
+
+
+def test_a_sandbox_whose_pod_has_not_started_is_deleted_without_asking_its_agent(k8s_settings, pod_api):
+    """A create cut by its replica's death and never asked again leaves a pending record; the
+    survivor's reconciler drops it by deleting the sandbox. Its pod had not started (here:
+    its creator died before the key Secret, so it never will): there is no agent to ask. The
+    delete deleted the pod, then failed 'lost' ("agent ... has no address"), and the
+    reconciler logged a failed drop before dropping it on its next round (seen in
+    test_two_replicas_k8s.py)."""
+    import asyncio
+    import secrets
+
+    from kubernetes import client, config as kube_config
+
+    from orchard.backends.loading import load_backend
+    from orchard.models import SandboxSpec
+
+    api = client.CoreV1Api(kube_config.new_client_from_config(k8s_settings["kubeconfig"]))
+    namespace = k8s_settings["namespace"]
+
+    async def scenario() -> None:
+        backend = load_backend("k8s", k8s_settings)
+        await backend.resources()  # the shared watch runs
+        spec = SandboxSpec(image=KIT_IMAGE, sandbox_id=f"unstarted-{secrets.token_hex(4)}")
+        name = manifests.pod_name(str(spec.sandbox_id))
+        api.create_namespaced_pod(namespace, manifests.pod_manifest(spec, backend.config))  # the dead server's
+        await backend._watch.wait_for(name, lambda pod: pod is not None, 30)
+        await backend.delete(str(spec.sandbox_id))
+        assert ("pods", namespace, name) not in pod_api.objects
+        await backend.close()
+
+    asyncio.run(scenario())
