@@ -48,6 +48,7 @@ class Pilot:
     ready: asyncio.Event = field(default_factory=asyncio.Event)
     failure: Optional[str] = None
     stopped: Optional[dict] = None  # its stop.json: told to stop (its job may still be ending)
+    node_failure: Optional[str] = None  # ended NODE_FAIL: which node, and why Slurm holds it down
 
     @property
     def alive(self) -> bool:
@@ -64,7 +65,8 @@ class Pilot:
         if stopped:
             ended = "" if self.state in slurm.LIVE_STATES else f" and ended: {self.state}"
             return f"its pilot, Slurm job {self.job_id}, stopped on {stopped['signal']} ({stopped['reason']}){ended}"
-        return f"its pilot, Slurm job {self.job_id}, ended: {self.state}"
+        cause = f" ({self.node_failure})" if self.node_failure else ""
+        return f"its pilot, Slurm job {self.job_id}, ended: {self.state}{cause}"
 
     def check_stopped(self) -> None:
         """Read the pilot's stop record (it writes one on Slurm's warning, before its agent goes)."""
@@ -242,8 +244,10 @@ class PilotPool:
             return
         self._states_at = time.monotonic()
         states = await slurm.job_states(p.job_id for p in self.pilots.values() if p.state in slurm.LIVE_STATES)
-        for pilot in self.pilots.values():
+        for pilot in list(self.pilots.values()):
             if pilot.job_id in states:
+                if states[pilot.job_id] == "NODE_FAIL" and pilot.node_failure is None:  # once, while the node is down
+                    pilot.node_failure = await slurm.node_failure(pilot.job_id) or ""  # before it reads as lost
                 pilot.state = states[pilot.job_id]
             pilot.check_stopped()
             if not pilot.alive:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import getpass
-from typing import Iterable
+from typing import Iterable, Optional
 
 from orchard.errors import BackendUnavailable
 
@@ -47,6 +47,19 @@ async def job_states(job_ids: Iterable[str]) -> dict[str, str]:
             if job_id in states and state:
                 states[job_id] = state.split()[0]  # "CANCELLED by 0" -> "CANCELLED"
     return states
+
+
+async def node_failure(job_id: str) -> Optional[str]:
+    """For a job that ended NODE_FAIL: its node, and why Slurm holds that node down (the
+    reason an admin or the controller gave), e.g. "node n12 is down*: Not responding"."""
+    nodes = (await run("sacct", "-n", "-P", "-X", "-o", "NodeList", "-j", job_id, check=False)).strip()
+    if not nodes or nodes == "None assigned":
+        return None
+    state = (await run("sinfo", "-h", "-N", "-n", nodes, "-o", "%T|%E", check=False)).strip().splitlines()
+    node_state, _, reason = (state[0] if state else "").partition("|")
+    if not node_state:
+        return f"node {nodes}"
+    return f"node {nodes} is {node_state}" + (f": {reason}" if reason and reason != "none" else "")
 
 
 async def cancel(job_id: str) -> None:
