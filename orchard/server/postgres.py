@@ -6,18 +6,36 @@ race. Work that one replica at a time must do (the reconciler's reaping) is led 
 ``lead``, and a sandbox being created is held through ``claim``: both are session-level
 advisory locks, held as long as this replica's connection lives, so a replica that dies
 hands them over without anyone cleaning up after it.
+
+The connection can be cut under a live replica (a PostgreSQL restart or failover,
+``pg_terminate_backend``, a firewall dropping an idle connection). The call that finds it
+cut fails with ``StoreUnavailable`` (503, retryable: every statement is its own
+transaction and every write here can be repeated), the session's advisory locks are
+forgotten, because PostgreSQL ended them with the session (another replica may lead or
+claim by now), and the next call opens a new connection; while PostgreSQL stays away,
+calls fail at once with the same 503 and connection attempts are spaced out.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
+import os
 import secrets
 import threading
-from typing import Any, Optional
+import time
+from contextlib import contextmanager
+from typing import Any, Iterator, Optional
 
+import psycopg
+from psycopg.conninfo import conninfo_to_dict
+
+from orchard.errors import StoreUnavailable
 from orchard.models import Job
 from orchard.server.store import SandboxRecord, SQLiteStore, Store
+
+log = logging.getLogger("orchard.server.postgres")
 
 MIGRATIONS = (
     # 1: the records of the SQLite store
@@ -32,6 +50,11 @@ MIGRATIONS = (
     """,
 )
 MIGRATION_LOCK = 0x6F72636861726401  # "orchard" + 1: one advisory lock id for schema changes
+CONNECT_TIMEOUT = 3  # seconds (libpq's connect_timeout) unless the URL says: a connect blocks the server's loop
+# PostgreSQL's operational errors (SQLSTATE classes 08, 53, 57, 40...) and writes refused by a
+# server that is (still, or now) a read-only standby: conditions that pass, not bugs
+TRANSIENT_ERRORS = (psycopg.OperationalError, psycopg.errors.ReadOnlySqlTransaction)
+RECONNECT_BACKOFF = (0.1, 2.0)  # seconds between connection attempts while PostgreSQL is away: first, most
 
 
 def lock_id(role: str) -> int:
@@ -40,31 +63,87 @@ def lock_id(role: str) -> int:
 
 
 class PostgresStore(Store):
-    """One connection (autocommit) per server, calls serialized: each is one short statement."""
+    """One connection (autocommit) per server, calls serialized: each is one short statement.
+    A cut connection is opened again by the next call (see the module's docstring)."""
 
     def __init__(self, url: str) -> None:
-        import psycopg
-
-        self.db = psycopg.connect(url, autocommit=True)
+        self.url = url
         self._lock = threading.Lock()
-        self._led: set[str] = set()
+        self._led: set[str] = set()  # roles whose lock this session holds
+        self._claims: dict[str, int] = {}  # names claimed in this session, and how often (the locks stack)
+        self._next_attempt = 0.0  # monotonic time before which no connection is attempted
+        self._backoff = RECONNECT_BACKOFF[0]
+        self.db: Optional[psycopg.Connection] = self._connect()  # at start, a failure stops the server
         self.migrate()
 
-    def _run(self, sql: str, params: Any = None) -> Any:
+    def _connect(self) -> psycopg.Connection:
+        """A new session; its application_name tells replicas apart in ``pg_stat_activity``."""
+        given = conninfo_to_dict(self.url)
+        defaults = {"connect_timeout": CONNECT_TIMEOUT, "application_name": f"orchard-serve:{os.getpid()}"}
+        return psycopg.connect(self.url, autocommit=True, **{k: v for k, v in defaults.items() if k not in given})
+
+    def _connection(self) -> psycopg.Connection:
+        """The open connection, a new one if it was cut (under ``_lock``); StoreUnavailable
+        while PostgreSQL cannot be reached, at once between spaced-out attempts."""
+        if self.db is not None and not self.db.closed:
+            return self.db
+        now = time.monotonic()
+        if now < self._next_attempt:
+            raise StoreUnavailable("the server's PostgreSQL store is unreachable (its connection was lost; "
+                                   "connecting again)")
+        try:
+            self.db = self._connect()
+        except psycopg.Error as exc:
+            self._next_attempt = now + self._backoff
+            self._backoff = min(2 * self._backoff, RECONNECT_BACKOFF[1])
+            raise StoreUnavailable(f"the server's PostgreSQL store is unreachable: {exc}") from exc
+        self._next_attempt, self._backoff = 0.0, RECONNECT_BACKOFF[0]
+        log.warning("PostgreSQL store connected again")
+        return self.db
+
+    @contextmanager
+    def _session(self) -> Iterator[psycopg.Connection]:
+        """The connection for one call, under ``_lock``. PostgreSQL's operational errors (a cut
+        connection, shutdown, disk full, deadlock; a read-only standby during a failover)
+        become the retryable StoreUnavailable; a cut connection also ends what the session held."""
         with self._lock:
-            return self.db.execute(sql, params)
+            db = self._connection()
+            try:
+                yield db
+            except psycopg.Error as exc:
+                if db.closed:
+                    self._session_lost(db, exc)
+                elif not isinstance(exc, TRANSIENT_ERRORS):
+                    raise  # a bug (bad SQL, a constraint): a 500 that says so
+                raise StoreUnavailable(f"the server's PostgreSQL store failed: {exc}") from exc
+
+    def _session_lost(self, db: psycopg.Connection, exc: BaseException) -> None:
+        """Forget the advisory locks: PostgreSQL released them with the session, so another
+        replica may lead or be creating those sandboxes by now (under ``_lock``)."""
+        led, self._led = self._led, set()
+        self._claims.clear()
+        db.close()
+        self.db = None
+        log.warning("PostgreSQL store connection lost", extra={"fields": {
+            "error": f"{type(exc).__name__}: {exc}".strip(), "leading": sorted(led)}})
+        for role in sorted(led):
+            log.warning("lead lost", extra={"fields": {"role": role, "reason": "its PostgreSQL session ended"}})
+
+    def _run(self, sql: str, params: Any = None) -> Any:
+        with self._session() as db:
+            return db.execute(sql, params)
 
     def migrate(self) -> int:
         """Apply the migrations this database lacks; returns the schema version."""
-        with self._lock, self.db.transaction():
-            self.db.execute("SELECT pg_advisory_xact_lock(%s)", (MIGRATION_LOCK,))
-            self.db.execute("CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL)")
-            row = self.db.execute("SELECT max(version) FROM schema_version").fetchone()
+        with self._session() as db, db.transaction():
+            db.execute("SELECT pg_advisory_xact_lock(%s)", (MIGRATION_LOCK,))
+            db.execute("CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL)")
+            row = db.execute("SELECT max(version) FROM schema_version").fetchone()
             current = row[0] or 0
             for version, sql in enumerate(MIGRATIONS, start=1):
                 if version > current:
-                    self.db.execute(sql)
-                    self.db.execute("INSERT INTO schema_version VALUES (%s)", (version,))
+                    db.execute(sql)
+                    db.execute("INSERT INTO schema_version VALUES (%s)", (version,))
             return len(MIGRATIONS)
 
     def server_id(self) -> str:
@@ -89,7 +168,7 @@ class PostgresStore(Store):
 
     def touch_many(self, last_seen: dict[str, float]) -> None:
         if last_seen:  # later calls win: a replica never moves a sandbox's last call back in time
-            with self._lock, self.db.cursor() as cursor:
+            with self._session() as db, db.cursor() as cursor:
                 cursor.executemany("UPDATE sandboxes SET last_seen = greatest(last_seen, %s) WHERE sandbox_id = %s",
                                    [(when, sandbox_id) for sandbox_id, when in last_seen.items()])
 
@@ -121,15 +200,39 @@ class PostgresStore(Store):
         return self._run("DELETE FROM jobs WHERE done AND completed_at < %s", (finished_before,)).rowcount
 
     def claim(self, name: str) -> bool:
-        return self._run("SELECT pg_try_advisory_lock(%s)", (lock_id(f"claim:{name}"),)).fetchone()[0]
+        with self._session() as db:
+            if db.execute("SELECT pg_try_advisory_lock(%s)", (lock_id(f"claim:{name}"),)).fetchone()[0]:
+                self._claims[name] = self._claims.get(name, 0) + 1
+                return True
+            return False
 
     def release(self, name: str) -> None:
-        self._run("SELECT pg_advisory_unlock(%s)", (lock_id(f"claim:{name}"),))
+        if name not in self._claims:
+            return  # it ended with a cut session: PostgreSQL let it go then (a new session never held it)
+        try:
+            self._run("SELECT pg_advisory_unlock(%s)", (lock_id(f"claim:{name}"),))
+        except StoreUnavailable:
+            if name in self._claims:  # the session lives on, and so does the lock
+                raise
+            return
+        self._claims[name] -= 1
+        if not self._claims[name]:
+            del self._claims[name]
 
     def lead(self, role: str) -> bool:
-        if role not in self._led and self._run("SELECT pg_try_advisory_lock(%s)", (lock_id(role),)).fetchone()[0]:
-            self._led.add(role)
+        """Leads while the session that took the lock lives: checked with a statement on each
+        call, so a replica whose session was cut stops leading before it acts, and takes the
+        lead again on a new session only if no other replica took it meanwhile."""
+        try:
+            if role in self._led:
+                self._run("SELECT 1")  # fails, and forgets the lead, if the session was cut
+            elif self._run("SELECT pg_try_advisory_lock(%s)", (lock_id(role),)).fetchone()[0]:
+                self._led.add(role)
+                log.info("lead taken", extra={"fields": {"role": role}})
+        except StoreUnavailable:
+            return False  # no session, no lead
         return role in self._led
 
     def close(self) -> None:
-        self.db.close()  # our advisory locks go with the session: another replica leads
+        if self.db is not None:
+            self.db.close()  # our advisory locks go with the session: another replica leads

@@ -15,6 +15,7 @@ import logging
 import time
 from typing import Optional
 
+from orchard.errors import StoreUnavailable
 from orchard.server.config import ReconcilerSettings
 from orchard.server.service import OWNER_LABEL, ServerService
 
@@ -43,6 +44,8 @@ class Reconciler:
             await asyncio.sleep(self.settings.interval)
             try:
                 await self.run_round()
+            except StoreUnavailable as exc:  # expected while the store is away: no traceback each round
+                self._count("round_failed", error=exc.message)
             except Exception:
                 self.service.metrics.reconciler.labels("round_failed").inc()
                 log.exception("reconciler round failed")
@@ -65,14 +68,18 @@ class Reconciler:
                 expired = f"no heartbeat for {settings.heartbeat_ttl:g}s"
             elif settings.max_lifetime and now - sandbox.created_at > settings.max_lifetime:
                 expired = f"older than max_lifetime {settings.max_lifetime:g}s"
-            if expired and sandbox.status != "pending":
+            pending = sandbox.status == "pending"
+            abandoned = pending and now - sandbox.created_at > settings.lost_grace
+            if ((expired and not pending) or abandoned) and not service.store.lead("reconciler"):
+                return  # its store session was cut during the round: another replica may lead now
+            if expired and not pending:
                 try:
                     await service.delete(sandbox.sandbox_id, reason=expired)
                     self._count("expired", sandbox_id=sandbox.sandbox_id, reason=expired)
                 except Exception as exc:
                     log.warning("could not delete expired sandbox", extra={"fields": {
                         "sandbox_id": sandbox.sandbox_id, "error": str(exc)}})
-            elif sandbox.status == "pending" and now - sandbox.created_at > settings.lost_grace:
+            elif abandoned:
                 try:  # a replica died creating it: nobody holds its id, nobody was told it exists
                     if await service.drop_abandoned(sandbox.sandbox_id):
                         self._count("abandoned_create_deleted", sandbox_id=sandbox.sandbox_id)
@@ -93,6 +100,8 @@ class Reconciler:
             self._count("list_failed", error=f"{type(exc).__name__}: {exc}")
             return
         known = {record.sandbox.sandbox_id: record for record in service.store.list_sandboxes()}
+        if not service.store.lead("reconciler"):  # lost during the listing (a cut store session)
+            return
         for sandbox_id, record in known.items():
             status = record.sandbox.status
             if status in ("lost", "pending") or sandbox_id not in settled \
