@@ -27,6 +27,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from orchard.rollout.engine import RolloutEngine
+from orchard.rollout.policies.model_thread import on_model_thread
 from orchard.rollout.sample import RolloutSample
 from orchard.tasks import Task
 from orchard.train.bar import AdaptiveBand, Selection, bar_sample
@@ -148,7 +149,7 @@ class RLTrainer:
         rollout_seconds = time.perf_counter() - started
         samples, advantages = self._training_samples(selections)
         began = time.perf_counter()
-        stats = await asyncio.to_thread(self._update, samples, advantages) if samples else {}
+        stats = await on_model_thread(self._update, samples, advantages) if samples else {}
         if samples:
             await self.weight_sync.push(self.model, self.step + 1)
         self.step += 1

@@ -10,7 +10,9 @@ its batch. A caller that is cancelled only drops its own result.
 from __future__ import annotations
 
 import asyncio
-from typing import Callable, Generic, TypeVar
+import functools
+from concurrent.futures import Executor
+from typing import Callable, Generic, Optional, TypeVar
 
 Request = TypeVar("Request")
 Result = TypeVar("Result")
@@ -18,12 +20,14 @@ Result = TypeVar("Result")
 
 class MicroBatcher(Generic[Request, Result]):
     def __init__(self, run: Callable[[list[Request]], list[Result]], *, window: float = 0.005,
-                 max_batch: int = 32) -> None:
+                 max_batch: int = 32, executor: Optional[Executor] = None) -> None:
+        """``executor``: where batches run (default: asyncio's default executor)."""
         if max_batch < 1 or window < 0:
             raise ValueError("max_batch must be >= 1 and window >= 0")
         self.run = run
         self.window = window
         self.max_batch = max_batch
+        self.executor = executor
         self.pending: list[tuple[Request, asyncio.Future[Result]]] = []
         self.batches: list[int] = []  # size of each batch run, for tests and stats
         self._tasks: set[asyncio.Task[None]] = set()
@@ -50,7 +54,8 @@ class MicroBatcher(Generic[Request, Result]):
             return
         self.batches.append(len(live))
         try:
-            results = await asyncio.to_thread(self.run, [request for request, _ in live])
+            results = await asyncio.get_running_loop().run_in_executor(
+                self.executor, functools.partial(self.run, [request for request, _ in live]))
             if len(results) != len(live):
                 raise RuntimeError(f"a batch of {len(live)} requests gave {len(results)} results")
         except Exception as exc:

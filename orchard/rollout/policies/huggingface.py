@@ -11,7 +11,7 @@ prompt as the template renders them (mask 0); see :mod:`.chat_template`.
 
 Log-probs are of the raw model at temperature 1 whatever the sampling temperature and
 top-p: what the trainer recomputes (see :mod:`.sampling`). Concurrent ``act()`` calls are
-batched (:mod:`.batching`) and run in a thread, one batch at a time.
+batched (:mod:`.batching`) and run on the model thread (:mod:`.model_thread`), one batch at a time.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from typing import Any, Optional, Union
 
 from orchard.rollout.policies.batching import MicroBatcher
 from orchard.rollout.policies.chat_template import ChatTemplateTokens
+from orchard.rollout.policies.model_thread import model_executor
 from orchard.rollout.policies.sampling import Sample, SampleRequest, Sampler
 from orchard.rollout.policy import Context, Generation, Policy
 
@@ -44,7 +45,8 @@ class HuggingFacePolicy(Policy):
         self.sampler = Sampler(model, stop_ids=self.template.stop_ids, pad_id=pad if pad is not None else 0,
                                temperature=temperature, top_p=top_p, seed=seed, device=device)
         self.batcher: MicroBatcher[SampleRequest, Sample] = MicroBatcher(self.sampler, window=batch_window,
-                                                                         max_batch=max_batch)
+                                                                         max_batch=max_batch,
+                                                                         executor=model_executor())
         self.max_context_tokens = max_context_tokens or getattr(model.config, "max_position_embeddings", None)
 
     @classmethod
