@@ -50,8 +50,9 @@ async def job_states(job_ids: Iterable[str]) -> dict[str, str]:
 
 
 async def node_failure(job_id: str) -> Optional[str]:
-    """For a job that ended NODE_FAIL: its node, and why Slurm holds that node down (the
-    reason an admin or the controller gave), e.g. "node n12 is down*: Not responding"."""
+    """For a job that ended NODE_FAIL: its node, the node's state when asked (it may be back
+    already) and the reason Slurm holds for it (an admin's or the controller's), e.g.
+    "node n12, down* when checked, Slurm's reason: Not responding"."""
     nodes = (await run("sacct", "-n", "-P", "-X", "-o", "NodeList", "-j", job_id, check=False)).strip()
     if not nodes or nodes == "None assigned":
         return None
@@ -59,7 +60,7 @@ async def node_failure(job_id: str) -> Optional[str]:
     node_state, _, reason = (state[0] if state else "").partition("|")
     if not node_state:
         return f"node {nodes}"
-    return f"node {nodes} is {node_state}" + (f": {reason}" if reason and reason != "none" else "")
+    return f"node {nodes}, {node_state} when checked" + (f", Slurm's reason: {reason}" if reason and reason != "none" else "")
 
 
 async def cancel(job_id: str) -> None:

@@ -176,7 +176,8 @@ def test_a_lost_node_reports_its_pilots_sandboxes_lost_and_the_pool_recovers(slu
                     assert sandbox["status"] == "lost" and not sandbox["ready"], sandbox
                     assert f"Slurm job {job_id}" in sandbox["status_message"], sandbox
                     assert "NODE_FAIL" in sandbox["status_message"], sandbox
-                    assert f"node {node} is down" in sandbox["status_message"], sandbox  # which node, and why
+                    # which node, and why (its state when the backend asked is a race: it may be back by then)
+                    assert f"node {node}, " in sandbox["status_message"], sandbox
                     assert REASON in sandbox["status_message"], sandbox
                     refused = call("POST", f"/sandboxes/{sandbox_id}/exec", json={"command": "true", "wait": True})
                     assert refused.status_code == 410, refused.text
