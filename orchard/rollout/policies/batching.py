@@ -10,7 +10,6 @@ its batch. A caller that is cancelled only drops its own result.
 from __future__ import annotations
 
 import asyncio
-import functools
 from concurrent.futures import Executor
 from typing import Callable, Generic, Optional, TypeVar
 
@@ -54,8 +53,8 @@ class MicroBatcher(Generic[Request, Result]):
             return
         self.batches.append(len(live))
         try:
-            results = await asyncio.get_running_loop().run_in_executor(
-                self.executor, functools.partial(self.run, [request for request, _ in live]))
+            results = await asyncio.get_running_loop().run_in_executor(self.executor, self.run,
+                                                                       [request for request, _ in live])
             if len(results) != len(live):
                 raise RuntimeError(f"a batch of {len(live)} requests gave {len(results)} results")
         except Exception as exc:

@@ -13,7 +13,6 @@ thread costs no parallelism.
 from __future__ import annotations
 
 import asyncio
-import functools
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Optional, TypeVar
@@ -35,4 +34,4 @@ def model_executor() -> ThreadPoolExecutor:
 
 async def on_model_thread(function: Callable[..., Result], *args: Any) -> Result:
     """``function(*args)`` on the model thread, awaited without blocking the event loop."""
-    return await asyncio.get_running_loop().run_in_executor(model_executor(), functools.partial(function, *args))
+    return await asyncio.get_running_loop().run_in_executor(model_executor(), function, *args)
