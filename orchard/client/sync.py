@@ -18,8 +18,10 @@ T = TypeVar("T")
 _DONE = object()
 
 
-class _Portal:
-    """Runs coroutines on a loop in a daemon thread and hands back their results."""
+class Portal:
+    """Runs coroutines on a loop in a daemon thread and hands back their results: how sync
+    code (the sync SDK, slime's plain function calls) drives async clients that must outlive
+    one call."""
 
     def __init__(self) -> None:
         self.loop = asyncio.new_event_loop()
@@ -58,7 +60,7 @@ class _Portal:
 class SyncSandbox:
     """A sync handle on one sandbox; ``with`` deletes it on the way out."""
 
-    def __init__(self, portal: _Portal, inner: AsyncSandbox) -> None:
+    def __init__(self, portal: Portal, inner: AsyncSandbox) -> None:
         self._portal = portal
         self._inner = inner
 
@@ -141,7 +143,7 @@ class Client:
     talks to a server. ``with Client() as c, c.create() as sandbox: sandbox.exec("ls")``."""
 
     def __init__(self, url: Optional[str] = None, api_key: Optional[str] = None, **options: Any) -> None:
-        self._portal = _Portal()
+        self._portal = Portal()
 
         async def build() -> AsyncClient:
             return AsyncClient(url, api_key, **options)

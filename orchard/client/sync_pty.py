@@ -9,13 +9,13 @@ from orchard.client.pty import AsyncPty
 from orchard.client.session import AsyncShellSession, SessionResult
 
 if TYPE_CHECKING:
-    from orchard.client.sync import _Portal
+    from orchard.client.sync import Portal
 
 
 class SyncPty:
     """``write_stdin``, ``read``, ``read_all``, ``kill``, ``resize``, ``wait``, ``close``; ``with`` closes."""
 
-    def __init__(self, portal: "_Portal", inner: AsyncPty) -> None:
+    def __init__(self, portal: "Portal", inner: AsyncPty) -> None:
         self._portal = portal
         self._inner = inner
 
@@ -66,7 +66,7 @@ class SyncPty:
 class SyncShellSession:
     """``run(command, timeout)`` in a long-lived bash; ``with`` closes it."""
 
-    def __init__(self, portal: "_Portal", inner: AsyncShellSession) -> None:
+    def __init__(self, portal: "Portal", inner: AsyncShellSession) -> None:
         self._portal = portal
         self._inner = inner
 

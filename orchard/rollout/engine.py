@@ -171,7 +171,7 @@ class RolloutEngine:
         """``k`` more rollouts of ``task``, run concurrently (attempt numbers continue)."""
         first = self._attempts[task.task_id]
         self._attempts[task.task_id] += k
-        return await _all([self.rollout(task, first + n) for n in range(k)])
+        return await gather_all([self.rollout(task, first + n) for n in range(k)])
 
     def generator(self, task: Task):
         """BAR's ``generate(k)`` for one task: k rollouts as BAR reads them."""
@@ -195,7 +195,7 @@ class RolloutEngine:
             return sample
 
         with RolloutProgress(len(tasks) * attempts, enabled=progress) as bar:
-            return await _all([one(task, n) for task in tasks for n in range(attempts)])
+            return await gather_all([one(task, n) for task in tasks for n in range(attempts)])
 
 
 def _abort(sample: RolloutSample, exc: OrchardError) -> None:
@@ -204,8 +204,9 @@ def _abort(sample: RolloutSample, exc: OrchardError) -> None:
     sample.grade, sample.reward = None, None
 
 
-async def _all(steps: list[Coroutine[Any, Any, T]]) -> list[T]:
-    """Every step's result, run concurrently. Cancelled (or one failing), the others are
+async def gather_all(steps: list[Coroutine[Any, Any, T]]) -> list[T]:
+    """Every step's result, run concurrently (public: slime's rollout function groups prompts
+    with it). Cancelled (or one failing), the others are
     cancelled and *waited for* before this returns (``gather`` returns at the first cancelled
     child), so their sandboxes and snapshots are deleted before the caller goes on to close."""
     running = [asyncio.ensure_future(step) for step in steps]

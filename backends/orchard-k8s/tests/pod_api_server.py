@@ -398,12 +398,20 @@ class PodApiTestServer:
             self._waiting(namespace, name, "ErrImagePull", why)
             return
         uid = pod["metadata"]["uid"]
+
+        def mine() -> bool:
+            """Whether pod ``name`` is still this one: deleted meanwhile, another pod may have its name."""
+            return (self._pod(namespace, name) or {}).get("metadata", {}).get("uid") == uid
+
         token = await self._secret_value(namespace, container)
-        if (self._pod(namespace, name) or {}).get("metadata", {}).get("uid") != uid:
-            return  # deleted meanwhile (another pod may have its name now)
-        if token is None:
-            self._waiting(namespace, name, "CreateContainerConfigError", "secret not found")
+        if not mine():
             return
+        if token is None:  # as a kubelet, say so and keep trying: a creator on a busy host makes it late
+            self._waiting(namespace, name, "CreateContainerConfigError", "secret not found")
+            while token is None:
+                token = await self._secret_value(namespace, container)
+                if not mine():
+                    return
         state = self._pods.get(name)
         if state is None:
             return
@@ -442,12 +450,23 @@ class PodApiTestServer:
         listener.close()
         ip, relay = await self._pod_address(directory / "agent.sock", port)
         state.update(process=process, relay=relay, ip=ip, directory=directory)
+        if state.get("stopping") or not mine():  # deleted while its agent started: _stop_pod found no process
+            state["stopping"] = True
+            os.killpg(process.pid, signal.SIGKILL)
+            await process.wait()
+            relay.close()
+            shutil.rmtree(directory, ignore_errors=True)
+            return
         if not await self._agent_healthy(directory / "agent.sock", process):
+            if state.get("stopping") or not mine():  # deleted: its status is not ours to write
+                return
             try:
                 log = (directory / "agent.log").read_text(errors="replace")[-1500:]
             except OSError:  # the pod was deleted while its agent started
                 log = ""
             self._terminated(namespace, name, "Error", process.returncode or 1, message=log)
+            return
+        if state.get("stopping") or not mine():
             return
         self._set_status(namespace, name, phase="Running", podIP=ip, podIPs=[{"ip": ip}], startTime=now(),
                          conditions=[{"type": "PodScheduled", "status": "True"}, {"type": "Ready", "status": "True"},
@@ -455,7 +474,7 @@ class PodApiTestServer:
                          containerStatuses=[{"name": "sandbox", "ready": True, "restartCount": 0, "image": image,
                                              "imageID": image, "state": {"running": {"startedAt": now()}}}])
         code = await process.wait()
-        if name in self._pods and not state.get("stopping"):
+        if name in self._pods and not state.get("stopping") and mine():
             self._terminated(namespace, name, state.get("ended_as", "Error"), code)
 
     async def _pod_address(self, socket_path: Path, port: int) -> tuple[str, asyncio.AbstractServer]:

@@ -27,7 +27,7 @@ from typing import Any, Iterable, Optional
 
 from orchard.integrations.slime.runtime import SlimeRuntime, runtime
 from orchard.integrations.slime.samples import fill_sample, sample_class
-from orchard.rollout.engine import _all
+from orchard.rollout.engine import gather_all
 from orchard.rollout.sample import RolloutStatus
 from orchard.tasks import Task, load_tasks
 from orchard.train.bar import Selection
@@ -107,7 +107,7 @@ def generate_rollout(args: Any, rollout_id: int, data_source: Any, evaluation: b
     groups = data_source.get_samples(args.rollout_batch_size)
 
     async def everything() -> list[tuple[list[Any], Selection]]:
-        return await _all([_group(rt, group) for group in groups])  # cancelled: every sandbox deleted first
+        return await gather_all([_group(rt, group) for group in groups])  # cancelled: every sandbox deleted first
 
     done = rt.call(everything())
     return train_output([g for g, _ in done], metrics([s for _, s in done]))

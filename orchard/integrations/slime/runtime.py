@@ -15,7 +15,7 @@ import threading
 from typing import Any, Awaitable, Optional, TypeVar
 
 from orchard.client.aio import AsyncClient
-from orchard.client.sync import _Portal
+from orchard.client.sync import Portal
 from orchard.integrations.slime.samples import set_sample_class
 from orchard.integrations.slime.settings import SlimeSettings
 from orchard.integrations.slime.sglang import SGLangPolicy
@@ -47,7 +47,7 @@ class SlimeRuntime:
             top_p=getattr(args, "rollout_top_p", 1.0), top_k=getattr(args, "rollout_top_k", -1),
             max_concurrency=settings.max_concurrent)
         self.band = AdaptiveBand(settings.band(), settings.bar(1)) if settings.adaptive_band else None
-        self.portal = _Portal()
+        self.portal = Portal()
         self.client: AsyncClient = self.call(self._client())
         self.engine = RolloutEngine(self.client, self.policy, settings.engine(args))
 
