@@ -47,6 +47,13 @@ def validation_body(exc: RequestValidationError) -> dict[str, Any]:
     return {"detail": errors, "error": {"type": "InvalidRequest", "message": summary or "invalid request"}}
 
 
+def internal_error_body(exc: Exception, who: str) -> dict[str, Any]:
+    """A bug's answer in the one error shape (a typed 500, not Starlette's plain text), so a
+    client raises InternalError; the traceback stays in ``who``'s log, not on the wire."""
+    message = f"internal error ({type(exc).__name__}): a bug; the {who}'s log has its traceback"
+    return {"detail": message, "error": {"type": "InternalError", "message": message}}
+
+
 class BodyLimitMiddleware:
     """Refuses request bodies over a limit with 413 before they are held in memory:
     ``limit`` for JSON routes, ``raw_limit`` (None: none) for the raw file upload, whose

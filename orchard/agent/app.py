@@ -19,7 +19,7 @@ from orchard.agent.service import AgentService
 from orchard.agent.tokens import token_matches
 from orchard.errors import OrchardError
 from orchard.routes import add_sandbox_routes
-from orchard.webapi import ApiKeyMiddleware, BodyLimitMiddleware, validation_body
+from orchard.webapi import ApiKeyMiddleware, BodyLimitMiddleware, internal_error_body, validation_body
 
 class CallTracker:
     """Notes every request, so an agent nobody calls can tell it is idle."""
@@ -71,6 +71,10 @@ def create_app(service: AgentService, token: Optional[str]) -> FastAPI:
     @app.exception_handler(OrchardError)
     async def orchard_error(request: Request, exc: OrchardError) -> JSONResponse:
         return JSONResponse(exc.to_body(), status_code=exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception) -> JSONResponse:
+        return JSONResponse(internal_error_body(exc, "agent"), status_code=500)
 
     @app.exception_handler(RequestValidationError)
     async def invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:

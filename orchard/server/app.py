@@ -21,7 +21,7 @@ from orchard.server.observability import Metrics, RequestLogMiddleware
 from orchard.server.pty_relay import add_pty_relay
 from orchard.server.reconciler import Reconciler
 from orchard.server.service import ServerService
-from orchard.webapi import ApiKeyMiddleware, BodyLimitMiddleware, validation_body
+from orchard.webapi import ApiKeyMiddleware, BodyLimitMiddleware, internal_error_body, validation_body
 
 def create_app(service: ServerService, reconciler: Reconciler, api_key: Optional[str]) -> FastAPI:
     metrics: Metrics = service.metrics
@@ -45,6 +45,11 @@ def create_app(service: ServerService, reconciler: Reconciler, api_key: Optional
     async def orchard_error(request: Request, exc: OrchardError) -> JSONResponse:
         metrics.errors.labels(type(exc).__name__).inc()
         return JSONResponse(exc.to_body(), status_code=exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception) -> JSONResponse:
+        metrics.errors.labels("InternalError").inc()
+        return JSONResponse(internal_error_body(exc, "server"), status_code=500)
 
     @app.exception_handler(RequestValidationError)
     async def invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:

@@ -166,3 +166,33 @@ def test_a_queued_record_the_agent_never_took_ends_instead_of_staying_queued(ser
         assert http.get("/jobs/never-taken").json()["status"] == "failed"
         assert http.get(f"/sandboxes/{sid}").json()["status"] == "ready"  # the sandbox itself is fine
         http.delete(f"/sandboxes/{sid}")
+
+
+def test_a_bug_answers_a_typed_500_the_sdk_raises_as_internal_error(tmp_path, monkeypatch):
+    """An exception nobody typed (a bug) answered Starlette's plain-text 'Internal Server
+    Error', which no client can read as an error type; now the one error body, type
+    InternalError, and the traceback stays in the server's log."""
+    from fastapi.testclient import TestClient
+
+    from orchard.errors import InternalError
+    from orchard.client.http import ApiClient
+    from orchard.server.app import create_app
+    from orchard.server.config import ServerConfig
+    from orchard.server.observability import Metrics
+    from orchard.server.reconciler import Reconciler
+    from orchard.server.service import ServerService
+
+    config = ServerConfig(state=tmp_path / "server.db")
+    service = ServerService(config, config.make_backend(), config.make_store(), Metrics())
+
+    def broken(*args, **kwargs):
+        raise KeyError("secret-internal-detail")
+
+    monkeypatch.setattr(service.store, "list_sandboxes", broken)
+    app = create_app(service, Reconciler(service, config.reconciler), None)
+    with TestClient(app, raise_server_exceptions=False) as http:
+        answer = http.get("/sandboxes")
+    assert answer.status_code == 500
+    assert answer.json()["error"]["type"] == "InternalError" and "KeyError" in answer.json()["error"]["message"]
+    assert "secret-internal-detail" not in answer.text  # what the exception says stays in the log
+    assert isinstance(ApiClient._error(500, answer.content), InternalError)

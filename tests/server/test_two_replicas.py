@@ -178,6 +178,8 @@ def test_reaping_happens_once_and_moves_to_the_survivor(server_factory, database
         assert answer.status_code == 200, answer.text
         created.append(f"reaped-{index:02d}")
     wait_until(lambda: agent_sandboxes(first) == [], 60, "the idle sandboxes to be reaped")
+    # a reaping is logged once its sandbox is deleted: the log may trail the agent by a moment
+    wait_until(lambda: len(reconciler_actions(first, second)) >= 20, 60, "the reapings to be logged")
     actions = reconciler_actions(first, second)
     assert sorted(sid for _, _, sid in actions) == sorted(created), actions  # each once
     assert {action for _, action, _ in actions} == {"expired"}
@@ -189,5 +191,10 @@ def test_reaping_happens_once_and_moves_to_the_survivor(server_factory, database
         for index in range(5):
             assert http.post("/sandboxes", json={**SPEC, "sandbox_id": f"later-{index}"}).status_code == 200
     wait_until(lambda: agent_sandboxes(first) == [], 60, "the survivor to reap the later sandboxes")
-    later = [(url, sid) for url, _, sid in reconciler_actions(first, second) if sid.startswith("later-")]
+
+    def later_reaped() -> list[tuple[str, str]]:
+        return [(url, sid) for url, _, sid in reconciler_actions(first, second) if sid.startswith("later-")]
+
+    wait_until(lambda: len(later_reaped()) >= 5, 60, "the later reapings to be logged")
+    later = later_reaped()
     assert sorted(later) == sorted((survivor.url, f"later-{index}") for index in range(5))

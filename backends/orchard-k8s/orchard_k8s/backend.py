@@ -149,11 +149,14 @@ class KubernetesBackend(AgentBackedBackend):
             raise InvalidRequest("pids: a pod's process limit is the node's (kubelet podPidsLimit); "
                                  "per-sandbox pids limits are not applied by the k8s backend")
         await self._start()
+        return await self._place(spec, attempts=3)
+
+    async def _place(self, spec: SandboxSpec, attempts: int) -> AgentSite:
         sandbox_id = str(spec.sandbox_id)
         name = manifests.pod_name(sandbox_id)
         if name in self._deleted:  # the same id again, before the watch saw the old pod go
-            await self._watch.wait_for(name, lambda pod: pod is None, self.start_timeout(spec))
-        token = secrets.token_urlsafe(32)
+            await self._wait(name, lambda pod: pod is None, spec, "an earlier pod of this id to go")
+        token, key = secrets.token_urlsafe(32), None
         async with self._slots:
             try:
                 made = await self._call(self._core.create_namespaced_pod, self.config.namespace,
@@ -161,14 +164,52 @@ class KubernetesBackend(AgentBackedBackend):
             except SandboxConflict:  # another server made it and our watch has yet to show it
                 made = None
             if made is not None:
-                self._tokens[name] = token
                 owner = {"name": made.metadata.name, "uid": made.metadata.uid}
-                await self._call(self._core.create_namespaced_secret, self.config.namespace,
-                                 manifests.secret_manifest(sandbox_id, token, self.config, owner))
+                try:
+                    key = await self._key_secret(sandbox_id, token, owner)
+                except BaseException:  # a pod without its key can never start: not left behind
+                    await self._delete(name)
+                    raise
+                if key is None:  # a stale key was there, which our pod may have read: start over
+                    await self._delete(name)
+                    if attempts <= 1:
+                        raise BackendUnavailable(f"sandbox {sandbox_id!r}: its key Secret kept being made by "
+                                                 "another server")
+                self._tokens[name] = key
         if made is None:
-            await self._watch.wait_for(name, lambda pod: pod is not None, self.start_timeout(spec))
-            return await self.placed(sandbox_id) or await self.place(spec)  # adopted, or deleted: once more
+            await self._wait(name, lambda pod: pod is not None, spec, "the pod another server made to show")
+            return await self.placed(sandbox_id) or await self._place(spec, attempts)  # adopted, or deleted
+        if key is None:
+            return await self._place(spec, attempts - 1)
         return await self._settled(sandbox_id, spec)
+
+    async def _wait(self, name: str, done: Callable[[Optional[dict[str, Any]]], bool], spec: SandboxSpec,
+                    what: str) -> None:
+        try:
+            await self._watch.wait_for(name, done, self.start_timeout(spec))
+        except asyncio.TimeoutError:
+            raise BackendUnavailable(f"sandbox {str(spec.sandbox_id)!r}: waited in vain for {what}") from None
+
+    async def _key_secret(self, sandbox_id: str, token: str, owner: dict[str, str]) -> Optional[str]:
+        """Make the key Secret of the pod ``owner``: its token, or None where a Secret of that
+        name owned by another pod was there. That one (a replica died between its two calls and
+        its request landed late, or the garbage collector has yet to remove it) is deleted, by
+        uid, never trusted; the pod may have started with its token, so the caller starts over.
+        Ours already there (a retried request that had landed) is kept, with its token."""
+        from kubernetes.client import V1DeleteOptions, V1Preconditions
+
+        secret_name, namespace = manifests.secret_name(sandbox_id), self.config.namespace
+        made = await self._call(self._core.create_namespaced_secret, namespace,
+                                manifests.secret_manifest(sandbox_id, token, self.config, owner), exists_ok=True)
+        if made is not None:
+            return token
+        there = await self._call(self._core.read_namespaced_secret, secret_name, namespace, missing_ok=True)
+        if there is not None and any(ref.uid == owner["uid"] for ref in there.metadata.owner_references or []):
+            return base64.b64decode(there.data["token"]).decode()
+        if there is not None:
+            await self._call(self._core.delete_namespaced_secret, secret_name, namespace, missing_ok=True,
+                             exists_ok=True, body=V1DeleteOptions(preconditions=V1Preconditions(uid=there.metadata.uid)))
+        return None
 
     async def _settled(self, sandbox_id: str, spec: SandboxSpec) -> AgentSite:
         """The pod's site once it is ready; a pod that fails to start is deleted, and why raised."""

@@ -29,7 +29,7 @@ class PodWatch:
         self.pods: dict[str, dict[str, Any]] = {}  # name -> pod (plain dict, API field names)
         self.synced = asyncio.Event()
         self.lists = 0  # full listings made (1, plus one per 410 Gone)
-        self._changed: dict[str, asyncio.Event] = {}
+        self._waiters: dict[str, set[asyncio.Event]] = {}  # pod name -> one event per waiter
         self._gone: dict[str, list[Callable[[str], None]]] = {}
         self._stopping = threading.Event()
         self._watch: Optional[watch.Watch] = None
@@ -62,9 +62,7 @@ class PodWatch:
             self._forgotten(name)
         else:
             self.pods[name] = pod
-        event = self._changed.get(name)
-        if event is not None:
-            event.set()
+        self._wake(name)
 
     def _replace(self, pods: list[dict[str, Any]]) -> None:
         gone = set(self.pods) - {p["metadata"]["name"] for p in pods}
@@ -72,16 +70,19 @@ class PodWatch:
         for name in gone:
             self._forgotten(name)
         for name in gone | set(self.pods):
-            event = self._changed.get(name)
-            if event is not None:
-                event.set()
+            self._wake(name)
         self.synced.set()
+
+    def _wake(self, name: str) -> None:
+        for event in self._waiters.get(name, ()):
+            event.set()
 
     async def wait_for(self, name: str, done: Callable[[Optional[dict[str, Any]]], bool], timeout: float) -> \
             Optional[dict[str, Any]]:
         """Wait until ``done(pod or None)`` holds for pod ``name``; returns the pod (None if gone)."""
         deadline = time.monotonic() + timeout
-        event = self._changed.setdefault(name, asyncio.Event())
+        event = asyncio.Event()  # its own: another waiter on this pod leaving must not take it away
+        self._waiters.setdefault(name, set()).add(event)
         try:
             while not done(self.pods.get(name)):
                 event.clear()
@@ -91,7 +92,10 @@ class PodWatch:
                 await asyncio.wait_for(event.wait(), remaining)
             return self.pods.get(name)
         finally:
-            self._changed.pop(name, None)
+            waiters = self._waiters.get(name, set())
+            waiters.discard(event)
+            if not waiters:
+                self._waiters.pop(name, None)
 
     # -- in the thread ---------------------------------------------------------------
     def _post(self, callback: Callable[..., None], *args: Any) -> None:

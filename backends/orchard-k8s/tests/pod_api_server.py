@@ -129,6 +129,7 @@ class PodApiTestServer:
         self.requests: Counter[tuple[str, str]] = Counter()  # (method, resource), watches excluded
         self.watches = 0
         self.faults: list[int] = []  # answer the next API calls with these statuses
+        self.faults_for: dict[tuple[str, str], list[int]] = {}  # the same, for one (method, resource) only
         self.pull_errors: dict[str, str] = {}
         self.unschedulable: Optional[str] = None
         self.watch_delay = 0.0  # seconds between a change and its watch event
@@ -254,8 +255,9 @@ class PodApiTestServer:
             async def read(namespace: str, name: str, resource: str = resource) -> Any:
                 return self._read(resource, namespace, name)
 
-            async def delete(namespace: str, name: str, resource: str = resource) -> Any:
-                return await self._delete(resource, namespace, name)
+            async def delete(namespace: str, name: str, request: Request, resource: str = resource) -> Any:
+                body = json.loads(await request.body() or b"{}")
+                return await self._delete(resource, namespace, name, (body.get("preconditions") or {}).get("uid"))
 
             app.add_api_route(collection, create, methods=["POST"])
             app.add_api_route(collection, listing, methods=["GET"])
@@ -265,9 +267,10 @@ class PodApiTestServer:
 
     def _fault(self, method: str, resource: str) -> Optional[JSONResponse]:
         self.requests[(method, resource)] += 1
-        if self.faults:
-            code = self.faults.pop(0)
-            reason = "TooManyRequests" if code == 429 else "InternalError"
+        aimed = self.faults_for.get((method, resource))
+        if self.faults or aimed:
+            code = aimed.pop(0) if aimed else self.faults.pop(0)
+            reason = {403: "Forbidden", 429: "TooManyRequests"}.get(code, "InternalError")
             response = status_body(code, reason, f"injected {code}")
             if code == 429:
                 response.headers["Retry-After"] = "0"
@@ -307,12 +310,16 @@ class PodApiTestServer:
         obj = self.objects.get((resource, namespace, name))
         return obj if obj is not None else status_body(404, "NotFound", f'{resource} "{name}" not found')
 
-    async def _delete(self, resource: str, namespace: str, name: str) -> Any:
+    async def _delete(self, resource: str, namespace: str, name: str, uid: Optional[str] = None) -> Any:
         fault = self._fault("DELETE", resource)
         if fault is not None:
             return fault
-        if (resource, namespace, name) not in self.objects:
+        obj = self.objects.get((resource, namespace, name))
+        if obj is None:
             return status_body(404, "NotFound", f'{resource} "{name}" not found')
+        if uid is not None and obj["metadata"]["uid"] != uid:  # a precondition, as the API server checks it
+            return status_body(409, "Conflict", f"Precondition failed: UID in precondition: {uid}, "
+                                                f"UID in object meta: {obj['metadata']['uid']}")
         if resource == "pods":
             await self._stop_pod(name)
         obj = self._remove(resource, namespace, name)

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import time
 
+import httpx
 import pytest
 
 from pod_api_server import KIT_IMAGE
 from orchard.client import Client
-from orchard.errors import ImageRejected, InvalidRequest
+from orchard.errors import BackendUnavailable, ImageRejected, InvalidRequest
 from orchard_k8s import manifests
 
 
@@ -178,6 +179,53 @@ def test_a_create_asked_again_after_its_creator_died_finishes_or_starts_over(k8s
             secret = api.read_namespaced_secret(manifests.secret_name(str(spec.sandbox_id)), namespace)
             assert base64.b64decode(secret.data["token"]).decode() == (await backend.endpoint(spec.sandbox_id)).token
             await backend.delete(str(spec.sandbox_id))
+        await backend.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_stale_key_secret_of_an_older_pod_is_replaced_never_trusted(k8s_settings, pod_api):
+    """A key Secret of the sandbox's name owned by another pod (a dead replica's Secret
+    request landing after the survivor replaced its key-less pod, or one the garbage collector
+    has yet to remove) made the create fail 409. It is deleted, by uid, and a new key made:
+    the stale token opens nothing. A failure to make the key deletes the pod it was for."""
+    import asyncio
+    import base64
+    import secrets
+
+    from kubernetes import client, config as kube_config
+
+    from orchard.backends.loading import load_backend
+    from orchard.models import SandboxSpec
+
+    api = client.CoreV1Api(kube_config.new_client_from_config(k8s_settings["kubeconfig"]))
+    namespace = k8s_settings["namespace"]
+
+    async def scenario() -> None:
+        backend = load_backend("k8s", k8s_settings)
+        spec = SandboxSpec(image=KIT_IMAGE, sandbox_id=f"stale-{secrets.token_hex(4)}")
+        stale_token = secrets.token_urlsafe(32)
+        stale = api.create_namespaced_secret(namespace, manifests.secret_manifest(
+            str(spec.sandbox_id), stale_token, backend.config, {"name": "gone", "uid": "0-old-pod"}))
+        sandbox = await backend.create(spec)
+        assert sandbox.status == "ready"
+        secret = api.read_namespaced_secret(manifests.secret_name(str(spec.sandbox_id)), namespace)
+        pod = api.read_namespaced_pod(manifests.pod_name(str(spec.sandbox_id)), namespace)
+        assert secret.metadata.uid != stale.metadata.uid
+        assert [ref.uid for ref in secret.metadata.owner_references] == [pod.metadata.uid]
+        endpoint = await backend.endpoint(spec.sandbox_id)
+        assert base64.b64decode(secret.data["token"]).decode() == endpoint.token != stale_token
+        async with httpx.AsyncClient(base_url=endpoint.url) as agent:
+            assert (await agent.get("/sandboxes", headers={"X-API-Key": endpoint.token})).status_code == 200
+            assert (await agent.get("/sandboxes", headers={"X-API-Key": stale_token})).status_code in (401, 403)
+        await backend.delete(str(spec.sandbox_id))
+
+        failing = SandboxSpec(image=KIT_IMAGE, sandbox_id=f"nokey-{secrets.token_hex(4)}")
+        pod_api.faults_for[("POST", "secrets")] = [403]  # the key cannot be made (RBAC, say)
+        with pytest.raises(BackendUnavailable):
+            await backend.create(failing)
+        names = [pod.metadata.name for pod in api.list_namespaced_pod(namespace).items]
+        assert manifests.pod_name(str(failing.sandbox_id)) not in names  # no key-less pod left
         await backend.close()
 
     asyncio.run(scenario())

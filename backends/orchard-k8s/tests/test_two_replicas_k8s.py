@@ -171,7 +171,7 @@ def test_200_sandboxes_through_two_k8s_replicas_one_killed(server_factory, datab
             if server is first:
                 with lock:
                     outcomes_on_killed[sandbox_id] = "completed"
-        assert answer.status_code == 200, (sandbox_id, answer.status_code, answer.text)
+        assert answer.status_code == 200, (sandbox_id, answer.status_code, answer.text, tracebacks(first, second))
         assert answer.json()["status"] == "ready", answer.text
         with lock:
             acknowledged[sandbox_id] = server.url
@@ -258,6 +258,15 @@ def test_200_sandboxes_through_two_k8s_replicas_one_killed(server_factory, datab
     print(f"took {time.monotonic() - started:.0f} s ({created_s:.0f} s for the 200 creates)")
 
 
+def tracebacks(*servers: server_conftest.ServerProcess) -> str:
+    """The tracebacks the replicas logged (an assertion's message: the logs go at teardown)."""
+    found = []
+    for server in servers:
+        text = Path(server.log_path).read_text(errors="replace")
+        found += [f"{server.url}: Traceback{block[:3000]}" for block in text.split("Traceback")[1:]]
+    return "\n".join(found[-4:])
+
+
 def _rounds(server: server_conftest.ServerProcess) -> float:
     for line in server.http().get("/metrics").text.splitlines():
         if line.startswith(ROUND):
@@ -278,6 +287,8 @@ def test_reaping_happens_once_and_moves_to_the_survivor_k8s(server_factory, data
     local.wait_until(lambda: pods(pod_api, namespace) == {}, WAIT, "the idle sandboxes' pods to be deleted")
     local.wait_until(lambda: first.http().get("/sandboxes").json()["sandboxes"] == [], WAIT,
                      "the idle sandboxes to leave the store")
+    local.wait_until(lambda: len(local.reconciler_actions(first, second)) >= 20, WAIT,
+                     "the reapings to be logged (each is logged once its sandbox is deleted)")
     actions = local.reconciler_actions(first, second)
     assert sorted(sid for _, _, sid in actions) == sorted(created), actions  # each once
     assert {action for _, action, _ in actions} == {"expired"}
@@ -290,6 +301,12 @@ def test_reaping_happens_once_and_moves_to_the_survivor_k8s(server_factory, data
         for index in range(5):
             assert client.post("/sandboxes", json={**SPEC, "sandbox_id": f"later-{index}"}).status_code == 200
     local.wait_until(lambda: pods(pod_api, namespace) == {}, WAIT, "the survivor to reap the later sandboxes")
-    later = [(url, sid) for url, _, sid in local.reconciler_actions(first, second) if sid.startswith("later-")]
+
+    def later_reaped() -> list[tuple[str, str]]:
+        return [(url, sid) for url, _, sid in local.reconciler_actions(first, second) if sid.startswith("later-")]
+
+    # a reaping is logged once its pod is deleted: the log may trail the double by a moment
+    local.wait_until(lambda: len(later_reaped()) >= 5, WAIT, "the survivor to log the later sandboxes reaped")
+    later = later_reaped()
     assert sorted(later) == sorted((survivor.url, f"later-{index}") for index in range(5))
     assert secrets_left(pod_api, namespace) == []
