@@ -27,7 +27,7 @@ def pipeline(config_file: Optional[Path], output: Optional[Path], quick: bool, s
     """Base model, expert trajectories, credit-assignment SFT, BAR+GRPO, held-out evaluation."""
     import yaml
 
-    from orchard.pipeline.run import QUICK, PipelineConfig, run_pipeline
+    from orchard.pipeline.run import QUICK, PipelineConfig, PipelineInputError, run_pipeline
 
     settings = dict(QUICK) if quick else {}
     if config_file:
@@ -51,12 +51,18 @@ def pipeline(config_file: Optional[Path], output: Optional[Path], quick: bool, s
                                      param_hint="--seeds") from None
         if seed is not None:
             raise click.UsageError("give --seed or --seeds, not both")
-        run_study(config, chosen, ablations, summarize_only=summarize)
+        try:
+            run_study(config, chosen, ablations, summarize_only=summarize)
+        except PipelineInputError as exc:
+            raise click.UsageError(str(exc)) from None
         out.print(f"report: {config.output_dir / 'study.md'}")
         return
     if summarize:
         raise click.UsageError("--summarize goes with --seeds")
-    report = run_pipeline(config, ablations=ablations)
+    try:
+        report = run_pipeline(config, ablations=ablations)
+    except PipelineInputError as exc:
+        raise click.UsageError(str(exc)) from None
     results = report["results"]
     out.print("held-out success: " + ", ".join(f"{k} {v['pass_rate']:.2f}" for k, v in results.items()))
     out.print(f"report: {config.output_dir / 'report.md'} and report.png")

@@ -26,6 +26,10 @@ SAMPLERS = ("bar", "fixed", "dapo")
 SYSTEM = "You fix bugs in a git repository. Reply with one ```bash block per turn; a block holding only submit ends."
 
 
+class PipelineInputError(ValueError):
+    """A run that cannot start from what it was given (the CLI reports it as a usage error)."""
+
+
 @dataclass
 class PipelineConfig:
     output_dir: Path = field(metadata={"help": "everything the run writes"})
@@ -37,6 +41,9 @@ class PipelineConfig:
     candidates: int = field(default=6, metadata={"help": "candidate fixes per task (chance = 1/this)"})
     base_model: Optional[str] = field(default=None, metadata={"help": "a Hugging Face checkpoint instead of the "
                                                                      "small model built here"})
+    start_from: Optional[Path] = field(default=None, metadata={
+        "help": "an earlier run of the same seed and tasks: its base model, SFT weights and their evaluations are "
+                "reused, and only RL and what follows runs (with --seeds: its seed-N directories)"})
     model: BaseModelConfig = field(default_factory=BaseModelConfig)
     expert_attempts: int = field(default=1, metadata={"help": "expert trajectories per training task"})
     expert: dict = field(default_factory=lambda: {"p_correct": 0.5, "p_recover": 0.5, "p_undo": 0.25})
@@ -56,6 +63,7 @@ class PipelineConfig:
 
     def __post_init__(self) -> None:
         self.output_dir = Path(self.output_dir)
+        self.start_from = Path(self.start_from) if self.start_from else None
         if isinstance(self.model, dict):
             self.model = BaseModelConfig(**self.model)
         if self.sft_data not in ("credit", "resolved"):
@@ -94,21 +102,25 @@ class Pipeline:
         async with AsyncClient(backend=backend.get("name", "local"), backend_settings=backend.get("settings")) as client:
             self.client = client
             train, heldout = self.make_tasks()
-            model, tokenizer = self.base_model(train)
-            base_weights = copy.deepcopy(model.state_dict())
-            results = {"base": await self.evaluate("base", model, tokenizer, heldout)}
-            trajectories = await self.expert_trajectories(train)
-            examples = await self.credit(trajectories, train, config.sft_data)
-            self.sft(model, tokenizer, examples, "sft")
-            results["sft"] = await self.evaluate("sft", model, tokenizer, heldout)
+            if config.start_from:
+                model, tokenizer, results = self.reuse_sft(config.start_from)
+            else:
+                model, tokenizer = self.base_model(train)
+                base_weights = copy.deepcopy(model.state_dict())
+                results = {"base": await self.evaluate("base", model, tokenizer, heldout)}
+                trajectories = await self.expert_trajectories(train)
+                examples = await self.credit(trajectories, train, config.sft_data)
+                self.sft(model, tokenizer, examples, "sft")
+                results["sft"] = await self.evaluate("sft", model, tokenizer, heldout)
             sft_weights = copy.deepcopy(model.state_dict())
             await self.rl(model, tokenizer, train, config.rl.get("sampler", "bar"), "rl")
             results["sft+rl"] = await self.evaluate("sft+rl", model, tokenizer, heldout)
-            if ablations:
+            if ablations and not config.start_from:
                 other = "resolved" if config.sft_data == "credit" else "credit"
                 model.load_state_dict(base_weights)
                 self.sft(model, tokenizer, await self.credit(trajectories, train, other), f"sft-{other}")
                 results[f"sft ({other})"] = await self.evaluate(f"sft ({other})", model, tokenizer, heldout)
+            if ablations:
                 for sampler in [s for s in SAMPLERS if s != config.rl.get("sampler", "bar")]:
                     model.load_state_dict(sft_weights)
                     await self.rl(model, tokenizer, train, sampler, f"rl-{sampler}")
@@ -161,6 +173,31 @@ class Pipeline:
                     pretrain_loss_first=round(losses[0], 3), pretrain_loss_last=round(losses[-1], 3),
                     note="a small Llama pre-trained here on random-choice conversations of the training tasks")
         return model, tokenizer
+
+    def reuse_sft(self, earlier: Path) -> tuple[Any, Any, dict[str, Any]]:
+        """The base model and SFT weights of an ``earlier`` run on the same tasks, and its
+        evaluations of them, so RL can be run again (longer, or otherwise) without redoing
+        what came before. Refused if that run's tasks differ from this one's."""
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        started = time.perf_counter()
+        tasks = earlier / "tasks.jsonl"
+        if not tasks.exists() or tasks.read_bytes() != (self.config.output_dir / "tasks.jsonl").read_bytes():
+            raise PipelineInputError(f"start_from: {earlier} was not run on this run's tasks (seed or task settings differ)")
+        checkpoints = sorted((earlier / "sft").glob("checkpoint-*"), key=lambda d: int(d.name.split("-")[-1]))
+        report = earlier / "report.json"
+        if not checkpoints or not report.exists():
+            raise PipelineInputError(f"start_from: {earlier} has no finished SFT stage (sft/checkpoint-N and report.json)")
+        tokenizer = AutoTokenizer.from_pretrained(earlier / "base")
+        model = AutoModelForCausalLM.from_pretrained(earlier / "base")
+        model.load_state_dict(torch.load(checkpoints[-1] / "state.pt", weights_only=False)["model"])
+        model.eval()
+        earlier_results = json.loads(report.read_text())["results"]
+        results = {name: earlier_results[name] for name in ("base", "sft") if name in earlier_results}
+        self._stage("reused", started, run=str(earlier), sft_checkpoint=checkpoints[-1].name,
+                    note="base model, SFT weights and their held-out evaluations from an earlier run")
+        return model, tokenizer, results
 
     def _engine(self, policy: Any, grade: bool = True) -> Any:
         from orchard.rollout.engine import EngineConfig, RolloutEngine

@@ -102,7 +102,8 @@ def run_study(config: PipelineConfig, seeds: Sequence[int], ablations: bool = Fa
     root = Path(config.output_dir)
     per_seed: dict[int, dict[str, float]] = {}
     for seed in seeds:
-        seed_config = replace(config, seed=seed, output_dir=root / f"seed-{seed}")
+        seed_config = replace(config, seed=seed, output_dir=root / f"seed-{seed}",
+                              start_from=config.start_from / f"seed-{seed}" if config.start_from else None)
         if summarize_only:  # what each seed has evaluated so far
             if evaluated(seed_config.output_dir):
                 per_seed[seed] = evaluated(seed_config.output_dir)

@@ -104,6 +104,20 @@ def test_orchard_pipeline_runs_end_to_end_with_tiny_budgets(orchard_backend_sett
     assert "ground-truth values" in report["stages"]["credit assignment"]["values"]
     for name in ("report.md", "report.png", "expert.jsonl", "sft.jsonl", "eval-base.jsonl", "eval-sft-rl.jsonl"):
         assert (tmp_path / "run" / name).exists(), name
+    # RL again from that run's SFT weights: nothing before RL is redone, its evaluations reused
+    (tmp_path / "again.yaml").write_text(yaml.safe_dump({**config, "start_from": str(tmp_path / "run"),
+                                                         "rl": {**config["rl"], "steps": 2}}))
+    again = CliRunner().invoke(cli, ["pipeline", "--config", str(tmp_path / "again.yaml"),
+                                     "--output", str(tmp_path / "again")])
+    assert again.exit_code == 0, again.output
+    rerun = json.loads((tmp_path / "again" / "report.json").read_text())
+    assert {k: rerun["results"][k] for k in ("base", "sft")} == {k: report["results"][k] for k in ("base", "sft")}
+    assert "sft+rl" in rerun["results"] and rerun["stages"]["rl"]["steps"] == 2
+    assert not {"base model", "expert trajectories", "sft"} & set(rerun["stages"])
+    assert rerun["stages"]["reused"]["run"] == str(tmp_path / "run")
+    other_seed = CliRunner().invoke(cli, ["pipeline", "--config", str(tmp_path / "again.yaml"), "--seed", "5",
+                                          "--output", str(tmp_path / "other")])
+    assert other_seed.exit_code == 2 and "start_from" in other_seed.output and "tasks" in other_seed.output
     (tmp_path / "bad.yaml").write_text(yaml.safe_dump({**config, "epochs": 3}))
     bad = CliRunner().invoke(cli, ["pipeline", "--config", str(tmp_path / "bad.yaml")])
     assert bad.exit_code != 0 and "epochs" in bad.output
