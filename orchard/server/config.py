@@ -43,6 +43,8 @@ class ServerConfig(BaseModel):
     store: Optional[str] = Field(None, pattern=r"^postgres(ql)?://",
                                  description="postgresql://... : a PostgreSQL store shared by several replicas "
                                              "(pip install psycopg); unset: the SQLite file at state")
+    store_call_timeout: float = Field(10.0, gt=0, le=3600, description="seconds one PostgreSQL store call may "
+                                      "take before its connection is given up (503): PostgreSQL hung or unreachable")
     backend: BackendSection = Field(default_factory=BackendSection)
     reconciler: ReconcilerSettings = Field(default_factory=ReconcilerSettings)
     max_concurrent_exec: int = Field(1024, gt=0, description="commands in flight through this server")
@@ -56,7 +58,7 @@ class ServerConfig(BaseModel):
         if self.store:
             from orchard.server.postgres import PostgresStore  # psycopg only where it is used
 
-            return PostgresStore(self.store)
+            return PostgresStore(self.store, self.store_call_timeout)
         return SQLiteStore(self.state)
 
     def make_backend(self) -> Backend:

@@ -14,6 +14,12 @@ transaction and every write here can be repeated), the session's advisory locks 
 forgotten, because PostgreSQL ended them with the session (another replica may lead or
 claim by now), and the next call opens a new connection; while PostgreSQL stays away,
 calls fail at once with the same 503 and connection attempts are spaced out.
+
+PostgreSQL can also stop answering without cutting anything (a hung or stopped server, a
+partition that drops packets): a statement would then wait for ever, and with it the
+server, whose store calls are synchronous. A watchdog shuts the connection's socket down
+once a call has taken ``call_timeout`` seconds; the call fails as a cut one (503, locks
+forgotten: PostgreSQL ends the session when it sees the socket closed).
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import json
 import logging
 import os
 import secrets
+import socket
 import threading
 import time
 from contextlib import contextmanager
@@ -66,15 +73,31 @@ class PostgresStore(Store):
     """One connection (autocommit) per server, calls serialized: each is one short statement.
     A cut connection is opened again by the next call (see the module's docstring)."""
 
-    def __init__(self, url: str) -> None:
-        self.url = url
+    def __init__(self, url: str, call_timeout: float = 10.0) -> None:
+        self.url, self.call_timeout = url, call_timeout
         self._lock = threading.Lock()
+        self._watched: Optional[tuple[float, int]] = None  # the call in progress: its deadline and socket
+        self._watch_lock = threading.Lock()  # a call never ends while the watchdog cuts its socket
+        self._closing = threading.Event()
         self._led: set[str] = set()  # roles whose lock this session holds
         self._claims: dict[str, int] = {}  # names claimed in this session, and how often (the locks stack)
         self._next_attempt = 0.0  # monotonic time before which no connection is attempted
         self._backoff = RECONNECT_BACKOFF[0]
         self.db: Optional[psycopg.Connection] = self._connect()  # at start, a failure stops the server
         self.migrate()
+        threading.Thread(target=self._watchdog, name="orchard-pg-watchdog", daemon=True).start()
+
+    def _watchdog(self) -> None:
+        """Cut the socket of a call that has taken longer than ``call_timeout``."""
+        while not self._closing.wait(min(0.25, self.call_timeout / 4)):
+            with self._watch_lock:
+                if self._watched is not None and time.monotonic() > self._watched[0]:
+                    _, fd = self._watched
+                    self._watched = None
+                    log.warning("PostgreSQL store call timed out: cutting its connection",
+                                extra={"fields": {"call_timeout": self.call_timeout}})
+                    with socket.socket(fileno=os.dup(fd)) as stalled:
+                        stalled.shutdown(socket.SHUT_RDWR)  # the blocked read returns: the call fails
 
     def _connect(self) -> psycopg.Connection:
         """A new session; its application_name tells replicas apart in ``pg_stat_activity``."""
@@ -102,12 +125,16 @@ class PostgresStore(Store):
         return self.db
 
     @contextmanager
-    def _session(self) -> Iterator[psycopg.Connection]:
-        """The connection for one call, under ``_lock``. PostgreSQL's operational errors (a cut
-        connection, shutdown, disk full, deadlock; a read-only standby during a failover)
-        become the retryable StoreUnavailable; a cut connection also ends what the session held."""
+    def _session(self, watched: bool = True) -> Iterator[psycopg.Connection]:
+        """The connection for one call, under ``_lock``, ``watched`` by the watchdog. PostgreSQL's
+        operational errors (a cut connection, shutdown, disk full, deadlock; a read-only
+        standby during a failover) become the retryable StoreUnavailable; a cut connection also
+        ends what the session held."""
         with self._lock:
             db = self._connection()
+            if watched:
+                with self._watch_lock:
+                    self._watched = (time.monotonic() + self.call_timeout, db.pgconn.socket)
             try:
                 yield db
             except psycopg.Error as exc:
@@ -116,6 +143,9 @@ class PostgresStore(Store):
                 elif not isinstance(exc, TRANSIENT_ERRORS):
                     raise  # a bug (bad SQL, a constraint): a 500 that says so
                 raise StoreUnavailable(f"the server's PostgreSQL store failed: {exc}") from exc
+            finally:
+                with self._watch_lock:
+                    self._watched = None
 
     def _session_lost(self, db: psycopg.Connection, exc: BaseException) -> None:
         """Forget the advisory locks: PostgreSQL released them with the session, so another
@@ -135,7 +165,7 @@ class PostgresStore(Store):
 
     def migrate(self) -> int:
         """Apply the migrations this database lacks; returns the schema version."""
-        with self._session() as db, db.transaction():
+        with self._session(watched=False) as db, db.transaction():  # may wait for another replica's
             db.execute("SELECT pg_advisory_xact_lock(%s)", (MIGRATION_LOCK,))
             db.execute("CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL)")
             row = db.execute("SELECT max(version) FROM schema_version").fetchone()
@@ -234,5 +264,6 @@ class PostgresStore(Store):
         return role in self._led
 
     def close(self) -> None:
+        self._closing.set()
         if self.db is not None:
             self.db.close()  # our advisory locks go with the session: another replica leads

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import glob
 import json
+import os
+import signal
 import threading
 import time
 from pathlib import Path
@@ -170,6 +172,45 @@ def test_terminated_sessions_answer_503_then_the_server_connects_again(server_fa
     assert "500" not in statuses_answered(server)
     lost = log_entries(server, "PostgreSQL store connection lost")
     assert len(lost) == 2 and all("AdminShutdown" in entry["error"] or "closed" in entry["error"] for entry in lost)
+
+
+def session_pids(database: str, server: ServerProcess) -> list[int]:
+    """The PostgreSQL backend processes serving this server's sessions."""
+    with admin(database) as db:
+        rows = db.execute("SELECT pid FROM pg_stat_activity WHERE application_name = %s",
+                          (application_name(server),)).fetchall()
+    return [pid for (pid,) in rows]
+
+
+def test_a_hung_postgresql_answers_503_in_bounded_time_then_the_server_connects_again(server_factory, database):
+    """PostgreSQL stops answering without cutting anything (its backend process stopped: a
+    hang, or a partition dropping packets). Store calls are synchronous, so the first call
+    waited for ever and the whole server with it (even /health). Now the watchdog gives up
+    the connection after store_call_timeout: that call is a 503 StoreUnavailable, the server
+    answers again, and once PostgreSQL is back it connects again with nothing lost."""
+    server = server_factory(store=database, store_call_timeout=1.5, reconciler={"interval": 3600})
+    with server.http() as http:
+        kept = created(http, "pg-hung")
+        assert ran(http, kept, "echo before")["stdout"] == "before\n"
+        stopped = session_pids(database, server)
+        assert stopped
+        for pid in stopped:
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            answer = http.get(f"/sandboxes/{kept}", timeout=30)
+            waited = time.monotonic() - started
+            assert_store_unavailable(answer)
+            assert waited < 1.5 + 3, waited  # the timeout, and the watchdog's tick (0.375 s here)
+            assert http.get("/health", timeout=5).status_code == 200  # the server is free again
+        finally:
+            for pid in stopped:
+                os.kill(pid, signal.SIGCONT)
+        wait_until(lambda: http.get(f"/sandboxes/{kept}").status_code == 200, 30, "the store to connect again")
+        assert http.get(f"/sandboxes/{kept}").json()["status"] == "ready"
+        assert ran(http, kept, "echo after")["stdout"] == "after\n"
+    assert "500" not in statuses_answered(server)
+    assert log_entries(server, "PostgreSQL store call timed out: cutting its connection")
 
 
 def test_a_postgresql_restart_answers_503_throughout_and_nothing_is_lost(server_factory, database):
