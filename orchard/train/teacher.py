@@ -25,7 +25,6 @@ import fcntl
 import hashlib
 import json
 import os
-import random
 import re
 from pathlib import Path
 from typing import Any, Optional
@@ -33,6 +32,7 @@ from typing import Any, Optional
 import httpx
 
 from orchard.errors import OrchardError
+from orchard.model_http import ModelServerGaveUp, post_with_retries, transient
 from orchard.train.credit import Trajectory, ValueEstimator
 
 SYSTEM_PROMPT = (
@@ -63,33 +63,6 @@ class TeacherHTTPError(TeacherError):
     def __init__(self, message: str, status: Optional[int] = None) -> None:
         super().__init__(message)
         self.status = status
-
-
-def _transient(status: int) -> bool:
-    """Statuses that a later identical request may get past: timeout, rate limit, server trouble."""
-    return status in (408, 429) or 500 <= status < 600
-
-
-def _error_message(response: httpx.Response) -> str:
-    """The server's own words: OpenAI-style ``error.message``, FastAPI's ``detail``, or the text."""
-    try:
-        body = response.json()
-    except ValueError:
-        return response.text[:300] or response.reason_phrase
-    if isinstance(body, dict):
-        error = body.get("error")
-        if isinstance(error, dict) and error.get("message"):
-            return str(error["message"])[:300]
-        if body.get("detail") or error:
-            return str(body.get("detail") or error)[:300]
-    return json.dumps(body)[:300]
-
-
-def _retry_after(response: httpx.Response) -> Optional[float]:
-    try:
-        return max(float(response.headers["Retry-After"]), 0.0)
-    except (KeyError, ValueError):
-        return None  # absent, or an HTTP date: fall back to our own backoff
 
 
 def render_prompt(trajectory: Trajectory, with_outcome: bool, max_chars: int = 2000) -> str:
@@ -163,28 +136,20 @@ class LLMTeacher(ValueEstimator):
     async def _post(self, body: dict) -> httpx.Response:
         """One request through transient failures; TeacherHTTPError on the others or at the end."""
         url = f"{self.base_url}/chat/completions"
-        for attempt in range(1, self.http_attempts + 1):
-            wait: Optional[float] = None
-            try:
-                async with self.slots:
-                    self.calls += 1
-                    response = await self.http.post(url, json=body)
-            except (httpx.TimeoutException, httpx.NetworkError, httpx.RemoteProtocolError) as exc:
-                status, problem = None, f"{type(exc).__name__}: {exc}"
-            else:
-                if response.is_success:
-                    return response
-                status, problem = response.status_code, f"HTTP {response.status_code}: {_error_message(response)}"
-                if not _transient(status):
-                    raise TeacherHTTPError(f"teacher {self.model} at {url}: {problem}", status)
-                wait = _retry_after(response)
-            if attempt == self.http_attempts:
-                raise TeacherHTTPError(f"teacher {self.model} at {url} failed {self.http_attempts} attempts; "
-                                       f"last: {problem}", status)
-            if wait is None:
-                wait = self.backoff * 2 ** (attempt - 1) * random.uniform(0.5, 1.0)  # jitter: spread the herd
-            await asyncio.sleep(min(wait, self.max_backoff))
-        raise AssertionError("unreachable")
+
+        def counted() -> None:
+            self.calls += 1
+
+        try:
+            return await post_with_retries(self.http, url, body, attempts=self.http_attempts, backoff=self.backoff,
+                                           max_backoff=self.max_backoff, jitter=True, slots=self.slots,
+                                           on_request=counted)
+        except ModelServerGaveUp as exc:
+            problem = exc.message if exc.status is None else f"HTTP {exc.status}: {exc.message}"
+            if exc.status is not None and not transient(exc.status):
+                raise TeacherHTTPError(f"teacher {self.model} at {url}: {problem}", exc.status) from None
+            raise TeacherHTTPError(f"teacher {self.model} at {url} failed {exc.attempts} attempts; "
+                                   f"last: {problem}", exc.status) from None
 
     async def _ask(self, prompt: str) -> str:
         body: dict[str, Any] = {"model": self.model, "temperature": self.temperature, "messages": [

@@ -37,6 +37,7 @@ from typing import Any, Literal, Optional
 
 import httpx
 
+from orchard.model_http import ModelServerGaveUp, post_with_retries
 from orchard.rollout.policies.chat_template import ChatTemplateTokens
 from orchard.rollout.policies.errors import PolicyResponseError, PolicyServerError, TokenContextMismatch
 from orchard.rollout.policy import Context, FinishReason, Generation, Policy
@@ -46,10 +47,6 @@ TOKEN_FIELDS: dict[str, dict[str, bool]] = {
     "sglang": {"logprobs": True, "return_token_ids": True, "return_prompt_token_ids": True},
 }
 MAX_BACKOFF = 30.0
-
-
-def retryable(status: int) -> bool:
-    return status in (408, 429) or status >= 500
 
 
 class OpenAICompatiblePolicy(Policy):
@@ -124,30 +121,12 @@ class OpenAICompatiblePolicy(Policy):
     async def complete(self, body: dict[str, Any]) -> dict[str, Any]:
         """POST one chat completion, retrying transient failures; the answer's JSON object."""
         http, slots = self._client()
-        attempts = self.retries + 1
-        for attempt in range(attempts):
-            last = attempt == attempts - 1
-            try:
-                async with slots:
-                    response = await http.post(self.url, json=body)
-            except httpx.TransportError as exc:  # refused, reset, timed out
-                if last:
-                    raise PolicyServerError(None, f"{type(exc).__name__}: {exc}", url=self.url, attempts=attempts) from exc
-                await asyncio.sleep(self._delay(attempt, None))
-                continue
-            if response.status_code == 200:
-                return _json_object(response)
-            if last or not retryable(response.status_code):
-                raise PolicyServerError(response.status_code, _server_message(response), url=self.url,
-                                        attempts=attempt + 1)
-            await asyncio.sleep(self._delay(attempt, response.headers.get("retry-after")))
-        raise AssertionError("unreachable")
-
-    def _delay(self, attempt: int, retry_after: Optional[str]) -> float:
         try:
-            return min(MAX_BACKOFF, max(0.0, float(retry_after)))  # type: ignore[arg-type]
-        except (TypeError, ValueError):
-            return min(MAX_BACKOFF, self.backoff * 2 ** attempt)
+            response = await post_with_retries(http, self.url, body, attempts=self.retries + 1, backoff=self.backoff,
+                                               max_backoff=MAX_BACKOFF, slots=slots)
+        except ModelServerGaveUp as exc:
+            raise PolicyServerError(exc.status, exc.message, url=self.url, attempts=exc.attempts) from None
+        return _json_object(response)
 
     def _client(self) -> tuple[httpx.AsyncClient, asyncio.Semaphore]:
         """One client per event loop (an httpx client's connections belong to the loop that made them)."""
@@ -229,17 +208,3 @@ def _token_id(token: Any) -> int:
                               "return_tokens_as_token_ids and returned no token_ids")
 
 
-def _server_message(response: httpx.Response) -> str:
-    """What the server said: OpenAI's/vLLM's ``error.message``, FastAPI's ``detail``, or the body."""
-    try:
-        body = response.json()
-    except ValueError:
-        return response.text[:500] or response.reason_phrase
-    if isinstance(body, dict):
-        error = body.get("error")
-        if isinstance(error, dict) and error.get("message"):
-            return str(error["message"])
-        for key in ("message", "detail", "error"):
-            if body.get(key):
-                return str(body[key]) if not isinstance(body[key], (dict, list)) else json.dumps(body[key])[:500]
-    return json.dumps(body)[:500]
