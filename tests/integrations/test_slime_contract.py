@@ -169,7 +169,7 @@ def test_generate_rollout_fills_every_field_slime_checks_with_uneven_bar_groups(
             info = sample.metadata["orchard"]
             if not info["valid"]:
                 assert sample.remove_sample and sample.reward == 0.0 and not any(sample.loss_mask)
-                assert sample.status == StandInSample.Status.ABORTED and info["error_type"] == "policy_error"
+                assert sample.status == StandInSample.Status.ABORTED and info["error_type"] == "policy_error", info.get("error")
                 continue
             assert sample.status == StandInSample.Status.COMPLETED and not sample.remove_sample
             assert sample.reward == (1.0 if info["resolved"] else -1.0)
