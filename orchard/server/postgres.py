@@ -96,8 +96,11 @@ class PostgresStore(Store):
                     self._watched = None
                     log.warning("PostgreSQL store call timed out: cutting its connection",
                                 extra={"fields": {"call_timeout": self.call_timeout}})
-                    with socket.socket(fileno=os.dup(fd)) as stalled:
-                        stalled.shutdown(socket.SHUT_RDWR)  # the blocked read returns: the call fails
+                    try:
+                        with socket.socket(fileno=os.dup(fd)) as stalled:
+                            stalled.shutdown(socket.SHUT_RDWR)  # the blocked read returns: the call fails
+                    except OSError as exc:  # gone already: the call ended some other way
+                        log.warning("PostgreSQL store watchdog: %s", exc)
 
     def _connect(self) -> psycopg.Connection:
         """A new session; its application_name tells replicas apart in ``pg_stat_activity``."""
@@ -138,14 +141,18 @@ class PostgresStore(Store):
             try:
                 yield db
             except psycopg.Error as exc:
+                self._unwatch()  # before the socket may be closed: its number could be reused
                 if db.closed:
                     self._session_lost(db, exc)
                 elif not isinstance(exc, TRANSIENT_ERRORS):
                     raise  # a bug (bad SQL, a constraint): a 500 that says so
                 raise StoreUnavailable(f"the server's PostgreSQL store failed: {exc}") from exc
             finally:
-                with self._watch_lock:
-                    self._watched = None
+                self._unwatch()
+
+    def _unwatch(self) -> None:
+        with self._watch_lock:
+            self._watched = None
 
     def _session_lost(self, db: psycopg.Connection, exc: BaseException) -> None:
         """Forget the advisory locks: PostgreSQL released them with the session, so another
