@@ -11,6 +11,7 @@ from orchard.cli.agent import agent
 from orchard.cli.bench import bench
 from orchard.cli.credit import credit
 from orchard.cli.train import train
+from orchard.cli.launch import launch
 from orchard.cli.sandbox import sandbox
 from orchard.cli.quickstart import quickstart
 from orchard.cli.serve import serve
@@ -57,6 +58,7 @@ cli.add_command(quickstart)
 cli.add_command(serve)
 cli.add_command(credit)
 cli.add_command(train)
+cli.add_command(launch)
 cli.add_command(tasks)
 cli.add_command(evaluate)
 cli.add_command(pipeline)

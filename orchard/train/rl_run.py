@@ -5,6 +5,7 @@ output_dir: runs/rl
 model: ./sft-final                 # a Hugging Face checkpoint directory (the SFT result)
 tasks: tasks.jsonl                 # orchard tasks; split: train by default
 backend: {name: slurm, settings: {partition: gpu, shared_dir: /scratch/orchard}}
+# or an Orchard server: backend: {url: "http://orchard:8000", direct: true}  (key: ORCHARD_API_KEY)
 sampling: {temperature: 1.0, top_p: 1.0, seed: 0}
 engine: {max_concurrent: 64, sandbox: {memory: 4Gi}}
 rollout: {max_turns: 30, max_tokens_per_turn: 1024, max_total_tokens: 16384}
@@ -18,6 +19,7 @@ The backend is chosen here only; the same file with another ``backend`` runs els
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any, Optional
 
@@ -71,7 +73,11 @@ async def run(config: dict[str, Any], resume: Optional[Path] = None, progress: b
     engine_config = EngineConfig(rollout=RolloutConfig(**config.get("rollout", {})), **engine_settings)
     backend = config.get("backend", {})
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
-    async with AsyncClient(backend=backend.get("name", "local"), backend_settings=backend.get("settings")) as client:
+    if backend.get("url"):  # direct: rollouts call the sandboxes' agents, not the server
+        client = AsyncClient(backend["url"], os.environ.get("ORCHARD_API_KEY"), direct=backend.get("direct", False))
+    else:
+        client = AsyncClient(backend=backend.get("name", "local"), backend_settings=backend.get("settings"))
+    async with client:
         async with RolloutEngine(client, policy, engine_config) as engine:
             trainer = RLTrainer(model, engine, tasks, trainer_config, pad_id=pad, weight_sync=sync)
             if resume is not None:

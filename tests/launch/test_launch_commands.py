@@ -1,0 +1,88 @@
+"""`orchard launch serve|train` on this machine (the local backend): the server announces its
+URL in the workdir only while it answers and stops on SIGUSR1 (what the sbatch script sends
+through srun), a stale URL is not taken, and with `trainer: slime` the trainer hands slime's
+train.py its flags and an ORCHARD_SLIME_CONFIG naming the server. slime cannot be installed
+here: its train.py is a stand-in that records what it was given and calls the server with it."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from orchard.launch.processes import wait_for_server
+from orchard.launch.recipe import SLIME_FLAGS, Recipe
+from tests.images import free_port
+
+STAND_IN = """import json, os, sys, yaml
+from orchard.client import Client
+settings = yaml.safe_load(open(os.environ["ORCHARD_SLIME_CONFIG"]))
+with Client(settings["server_url"], settings["api_key"]) as client:
+    listed = client.list()
+json.dump({"argv": sys.argv[1:], "settings": settings, "cwd": os.getcwd(), "listed": len(listed),
+           "mode": oct(os.stat(os.environ["ORCHARD_SLIME_CONFIG"]).st_mode & 0o777)}, open("slime-ran.json", "w"))
+"""
+
+
+def launch_file(workdir: Path, **extra) -> Path:
+    data = {"platform": {"workdir": str(workdir), "wait_seconds": 60, "slime_dir": str(workdir / "slime"),
+                         "backend": {"name": "local"}},
+            "server": {"port": free_port(), "log_level": "warning"}, **extra}
+    path = workdir / "launch.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def orchard(*args: str, **kwargs) -> subprocess.Popen:
+    env = {**os.environ, "ORCHARD_API_KEY": "launch-key"}
+    return subprocess.Popen([sys.executable, "-m", "orchard.cli", "launch", *args], env=env, **kwargs)
+
+
+def test_the_server_announces_itself_while_it_answers_and_the_slime_trainer_gets_it(tmp_path):
+    (tmp_path / "slime").mkdir()
+    (tmp_path / "slime" / "train.py").write_text(STAND_IN)
+    config = launch_file(tmp_path, trainer="slime",
+                         slime={"orchard": {"max_rollouts": 16}, "args": ["--n-samples-per-prompt", "8"]})
+    recipe = Recipe.load(config)
+    server = orchard("serve", "--config", str(config))
+    try:
+        url = wait_for_server(recipe)
+        trainer = orchard("train", "--config", str(config))
+        assert trainer.wait(timeout=120) == 0
+        ran = json.loads((tmp_path / "slime-ran.json").read_text())
+        assert ran["argv"] == ["--n-samples-per-prompt", "8", *[x for pair in SLIME_FLAGS.items() for x in pair]]
+        assert ran["settings"] == {"max_rollouts": 16, "server_url": url, "api_key": "launch-key"}
+        assert ran["cwd"] == str(tmp_path) and ran["listed"] == 0 and ran["mode"] == "0o600"
+    finally:
+        server.send_signal(signal.SIGUSR1)
+        assert server.wait(timeout=60) == 0
+    assert not recipe.url_file.exists()
+
+
+def test_a_stale_url_from_an_earlier_run_is_not_taken(tmp_path):
+    recipe = Recipe.load(launch_file(tmp_path))
+    recipe.launch_dir.mkdir()
+    recipe.url_file.write_text(f"http://127.0.0.1:{free_port()}\n")  # nothing answers there
+    recipe.platform["wait_seconds"] = 2
+    started = time.monotonic()
+    with pytest.raises(TimeoutError):
+        wait_for_server(recipe)
+    assert time.monotonic() - started >= 2
+
+
+def test_a_launch_file_with_an_unknown_key_is_refused(tmp_path):
+    config = launch_file(tmp_path, trainr="slime")
+    result = subprocess.run([sys.executable, "-m", "orchard.cli", "launch", "get", "--config", str(config), "trainer"],
+                            capture_output=True, text=True)
+    assert result.returncode != 0 and "trainr" in result.stderr
+    config = launch_file(tmp_path)
+    result = subprocess.run([sys.executable, "-m", "orchard.cli", "launch", "get", "--config", str(config), "trainer"],
+                            capture_output=True, text=True)
+    assert result.stdout.strip() == "standalone"  # the default the sbatch script's Ray guard reads
