@@ -3,8 +3,9 @@ place of slime: the script starts the Orchard server (Slurm backend: its sandbox
 pilot job) and `orchard launch train` beside it; one RL step of a tiny model trained here
 leaves a checkpoint and metrics in the launch file's workdir. The dev cluster is one node
 with 2 CPUs and no GPU, so the script runs as the homogeneous job its header documents for
-sites without heterogeneous jobs (a heterogeneous job's components never share a node here:
-it stays pending), with its resources scaled down on the sbatch command line."""
+sites without heterogeneous jobs (here a heterogeneous job never starts: the backfill log
+plans component 1 on the one node only after component 0 would end), with its resources
+scaled down on the sbatch command line."""
 
 from __future__ import annotations
 
