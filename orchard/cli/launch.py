@@ -38,9 +38,13 @@ def launch() -> None:
 @handle_errors
 def serve(config_file: Path) -> None:
     """The Orchard server with the file's backend; its URL goes to <workdir>/launch/service.url."""
-    from orchard.launch.processes import serve as run
+    from orchard.launch.processes import LaunchError, serve as run
 
-    sys.exit(run(_recipe(config_file)))
+    try:
+        code = run(_recipe(config_file))
+    except LaunchError as exc:
+        raise click.UsageError(str(exc)) from None
+    sys.exit(code)
 
 
 @launch.command("train")

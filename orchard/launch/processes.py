@@ -19,6 +19,10 @@ import yaml
 from orchard.launch.recipe import Recipe
 
 
+class LaunchError(Exception):
+    """A launch that cannot start as configured (the CLI reports it as a usage error)."""
+
+
 def answers(url: str) -> bool:
     try:
         with urllib.request.urlopen(url + "/health", timeout=2):
@@ -28,10 +32,13 @@ def answers(url: str) -> bool:
 
 
 def write_atomically(path: Path, text: str, mode: int = 0o644) -> None:
-    """Readers never see a half-written file (the trainer polls the URL file)."""
+    """Readers never see a half-written file (the trainer polls the URL file), and a file of
+    mode 0600 is never readable by others, not even for a moment (it may hold the API key)."""
     part = path.with_name(path.name + ".part")
-    part.write_text(text)
-    part.chmod(mode)
+    part.unlink(missing_ok=True)
+    with os.fdopen(os.open(part, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode), "w") as handle:
+        handle.write(text)
+    part.chmod(mode)  # the umask may have taken bits away
     part.replace(path)
 
 
@@ -40,6 +47,9 @@ def serve(recipe: Recipe) -> int:
     SIGTERM: the server stops its idle pilots). SIGUSR1 is for Slurm: srun forwards it to the
     step, whereas a SIGTERM to srun kills the step KillWait seconds later, cleanup or not. The
     URL file exists exactly while the server answers."""
+    if not os.environ.get("ORCHARD_API_KEY"):  # it listens on every interface of a shared cluster
+        raise LaunchError("set ORCHARD_API_KEY: the launch's server listens on the cluster's network, and without "
+                          "a key anyone who reaches it could run commands in its sandboxes")
     recipe.launch_dir.mkdir(parents=True, exist_ok=True)
     recipe.url_file.unlink(missing_ok=True)
     config = recipe.launch_dir / "server.yaml"

@@ -86,3 +86,29 @@ def test_a_launch_file_with_an_unknown_key_is_refused(tmp_path):
     result = subprocess.run([sys.executable, "-m", "orchard.cli", "launch", "get", "--config", str(config), "trainer"],
                             capture_output=True, text=True)
     assert result.stdout.strip() == "standalone"  # the default the sbatch script's Ray guard reads
+
+
+def test_the_server_refuses_to_start_without_an_api_key(tmp_path):
+    """It listens on every interface of a shared cluster: without a key, anyone who reaches it
+    could create sandboxes and run commands in them."""
+    config = launch_file(tmp_path)
+    env = {k: v for k, v in os.environ.items() if k != "ORCHARD_API_KEY"}
+    result = subprocess.run([sys.executable, "-m", "orchard.cli", "launch", "serve", "--config", str(config)],
+                            capture_output=True, text=True, env=env, timeout=60)
+    assert result.returncode == 2 and "ORCHARD_API_KEY" in result.stderr
+    assert not Recipe.load(config).url_file.exists()
+
+
+def test_a_private_file_is_created_owner_only(tmp_path):
+    """Created with its mode (O_EXCL), not written world-readable and then chmodded."""
+    from orchard.launch.processes import write_atomically
+
+    target = tmp_path / "settings.yaml"
+    (tmp_path / "settings.yaml.part").write_text("left by a killed writer")
+    previous = os.umask(0o022)
+    try:
+        write_atomically(target, "api_key: secret\n", 0o600)
+    finally:
+        os.umask(previous)
+    assert oct(target.stat().st_mode & 0o777) == "0o600" and target.read_text() == "api_key: secret\n"
+    assert not (tmp_path / "settings.yaml.part").exists()
