@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
-import os
 import random
 import time
 from dataclasses import asdict, dataclass, field
@@ -22,6 +21,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from orchard.pipeline.model import BaseModelConfig
+from orchard.train.memory import memory_mb
 
 SAMPLERS = ("bar", "fixed", "dapo")
 SYSTEM = "You fix bugs in a git repository. Reply with one ```bash block per turn; a block holding only submit ends."
@@ -85,7 +85,7 @@ class Pipeline:
         config.output_dir.mkdir(parents=True, exist_ok=True)
 
     def _stage(self, name: str, started: float, **facts: Any) -> None:
-        self.report["stages"][name] = {"seconds": round(time.perf_counter() - started, 1), **facts, **memory()}
+        self.report["stages"][name] = {"seconds": round(time.perf_counter() - started, 1), **facts, **memory_mb()}
         if self.progress:
             from orchard.cli.common import out
 
@@ -308,16 +308,6 @@ class Pipeline:
                     success_last=records[-1]["success_rate"] if records else None,
                     rollouts=sum(r["rollouts"] for r in records),
                     sandbox_errors=sum(r["sandbox_errors"] for r in records))
-
-
-def memory() -> dict[str, int]:
-    """This process's resident memory now and its peak so far, in MB: which stage raised the
-    peak shows in the report."""
-    import resource
-
-    with open("/proc/self/statm") as statm:
-        resident = int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    return {"rss_mb": resident >> 20, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss >> 10}
 
 
 def slug(name: str) -> str:

@@ -29,6 +29,7 @@ import torch
 from orchard.rollout.engine import RolloutEngine
 from orchard.rollout.policies.model_thread import on_model_thread
 from orchard.rollout.sample import RolloutSample
+from orchard.train.memory import memory_mb
 from orchard.tasks import Task
 from orchard.train.bar import AdaptiveBand, Selection, bar_sample
 from orchard.train.grpo import BatchSize, group_advantages, grpo_loss
@@ -228,6 +229,7 @@ class RLTrainer:
             "sandbox_errors": sum(s.status.value == "aborted" for s in pool),
             "timed_out": sum(s.status.value == "timed_out" for s in pool),
             "rollout_seconds": round(rollout_seconds, 3), "train_seconds": round(train_seconds, 3), **stats,
+            **memory_mb(),
         }
 
     # -- checkpoints -------------------------------------------------------------------

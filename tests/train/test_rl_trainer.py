@@ -59,6 +59,7 @@ def test_a_step_trains_on_balanced_groups_and_logs_metrics(orchard_backend_setti
     for record in records:
         assert record["samples"] == 4 and record["rollouts"] >= 4 and record["sandbox_errors"] == 0
         assert 0 <= record["success_rate"] <= 1 and record["loss"] is not None and record["grad_norm"] >= 0
+        assert 0 < record["rss_mb"] <= record["peak_rss_mb"]  # per step: where an RL run's memory goes
     informative = sum(r["informative_groups"] for r in records)
     changed = any(not torch.equal(before[k], v) for k, v in trainer.model.state_dict().items())
     assert changed == (informative > 0), "weights move exactly when a group carries a signal"
