@@ -53,9 +53,12 @@ def serve(config_file: Path) -> None:
 @handle_errors
 def train(config_file: Path, steps: Optional[int]) -> None:
     """Wait for the server, then the standalone trainer (or slime's train.py) with the file's settings."""
-    from orchard.launch.processes import train as run
+    from orchard.launch.processes import LaunchError, train as run
 
-    records = run(_recipe(config_file), steps)
+    try:
+        records = run(_recipe(config_file), steps)
+    except LaunchError as exc:  # a launch dir or URL file someone else could have written
+        raise click.UsageError(str(exc)) from None
     if records:
         last = records[-1]
         out.print(f"step {last['step']}: success rate {last['success_rate']}, rollouts {last['rollouts']}")

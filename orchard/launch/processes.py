@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -31,15 +33,104 @@ def answers(url: str) -> bool:
         return False
 
 
-def write_atomically(path: Path, text: str, mode: int = 0o644) -> None:
-    """Readers never see a half-written file (the trainer polls the URL file), and a file of
-    mode 0600 is never readable by others, not even for a moment (it may hold the API key)."""
-    part = path.with_name(path.name + ".part")
-    part.unlink(missing_ok=True)
-    with os.fdopen(os.open(part, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode), "w") as handle:
+# The launch dir holds what the trainer trusts (the URL it sends the API key to) and files the
+# server writes (its config and state): it must be ours alone. Everything in it is opened
+# relative to a descriptor of the checked directory, never by following a symlink.
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC  # a FIFO never blocks
+_URL_MAX = 4096
+
+
+def _trusted_owner(uid: int) -> bool:
+    """Ours; or, for a trainer running as root, any user's (in k8s/launch/rayjob.yaml the server
+    runs as 10001 beside a root slime container; only the pod's containers mount the volume)."""
+    return uid == os.geteuid() or os.geteuid() == 0
+
+
+def _check_private(st: os.stat_result, path: Path, kind: str, owner: Optional[int] = None) -> None:
+    problem = None
+    if not (stat.S_ISDIR(st.st_mode) if kind == "directory" else stat.S_ISREG(st.st_mode)):
+        problem = f"not a {kind}"
+    elif not _trusted_owner(st.st_uid) or (owner is not None and st.st_uid != owner):
+        problem = f"owned by uid {st.st_uid}, not by this user ({os.geteuid()})"
+    elif st.st_mode & 0o022:
+        problem = f"writable by others (mode {oct(st.st_mode & 0o7777)})"
+    if problem:
+        raise LaunchError(f"{path}: {problem}; the launch refuses it, since whoever can write there could redirect "
+                          "the trainer, and the API key with it (check its contents, then chmod 700 it or remove it)")
+
+
+def open_launch_dir(recipe: Recipe, create: bool = False) -> int:
+    """A descriptor of the launch dir once checked: a real directory (not a symlink) of this
+    user that nobody else can write; made 0700 where ``create`` and absent.
+    FileNotFoundError where absent and not ``create``."""
+    path = recipe.launch_dir
+    if create:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.mkdir(path, 0o700)
+        except FileExistsError:
+            pass
+    try:
+        fd = os.open(path, _DIR_FLAGS)
+    except FileNotFoundError:
+        raise
+    except OSError as exc:  # ELOOP: a symlink; ENOTDIR: something else
+        raise LaunchError(f"{path}: not a directory of this user ({exc.strerror}); the launch refuses it") from None
+    try:
+        _check_private(os.fstat(fd), path, "directory")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _write_in(dir_fd: int, name: str, text: str, mode: int) -> None:
+    part = name + ".part"
+    try:
+        os.unlink(part, dir_fd=dir_fd)  # a symlink is removed, not followed
+    except FileNotFoundError:
+        pass
+    fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode, dir_fd=dir_fd)
+    with os.fdopen(fd, "w") as handle:
+        os.fchmod(fd, mode)  # the umask may have taken bits away; the descriptor, never a path
         handle.write(text)
-    part.chmod(mode)  # the umask may have taken bits away
-    part.replace(path)
+    os.replace(part, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)  # replaces a symlink there, never follows it
+
+
+def write_atomically(path: Path, text: str, mode: int = 0o644, dir_fd: Optional[int] = None) -> None:
+    """Readers never see a half-written file (the trainer polls the URL file), and a file of
+    mode 0600 is never readable by others, not even for a moment (it may hold the API key).
+    No symlink is followed: neither at ``path`` nor at its ``.part``; ``dir_fd`` (a checked
+    directory's descriptor) is where ``path.name`` is written when given."""
+    if dir_fd is not None:
+        return _write_in(dir_fd, path.name, text, mode)
+    parent = os.open(path.parent, _DIR_FLAGS)
+    try:
+        _write_in(parent, path.name, text, mode)
+    finally:
+        os.close(parent)
+
+
+def _unlink_in(dir_fd: int, name: str) -> None:
+    try:
+        os.unlink(name, dir_fd=dir_fd)
+    except FileNotFoundError:
+        pass
+
+
+def prepare_server(recipe: Recipe) -> tuple[int, Path]:
+    """The checked launch dir (made 0700 where absent) without a URL file, and the server's
+    config written in it: the dir's descriptor and the config's path."""
+    dir_fd = open_launch_dir(recipe, create=True)
+    try:
+        _unlink_in(dir_fd, recipe.url_file.name)
+        config = recipe.launch_dir / "server.yaml"
+        write_atomically(config, yaml.safe_dump(recipe.server_config()), 0o600, dir_fd=dir_fd)
+    except BaseException:
+        os.close(dir_fd)
+        raise
+    return dir_fd, config
 
 
 def serve(recipe: Recipe) -> int:
@@ -50,11 +141,12 @@ def serve(recipe: Recipe) -> int:
     if not os.environ.get("ORCHARD_API_KEY"):  # it listens on every interface of a shared cluster
         raise LaunchError("set ORCHARD_API_KEY: the launch's server listens on the cluster's network, and without "
                           "a key anyone who reaches it could run commands in its sandboxes")
-    recipe.launch_dir.mkdir(parents=True, exist_ok=True)
-    recipe.url_file.unlink(missing_ok=True)
-    config = recipe.launch_dir / "server.yaml"
-    config.write_text(yaml.safe_dump(recipe.server_config()))
-    child = subprocess.Popen([sys.executable, "-m", "orchard.cli", "serve", "--config", str(config)])
+    dir_fd, config = prepare_server(recipe)
+    try:
+        child = subprocess.Popen([sys.executable, "-m", "orchard.cli", "serve", "--config", str(config)])
+    except BaseException:
+        os.close(dir_fd)
+        raise
     asked: list[int] = []
 
     def stop(signum: int, _frame: Any) -> None:
@@ -68,25 +160,55 @@ def serve(recipe: Recipe) -> int:
         while child.poll() is None and not answers(local):
             time.sleep(0.2)
         if child.poll() is None:
-            write_atomically(recipe.url_file, recipe.advertised_url() + "\n")
+            write_atomically(recipe.url_file, recipe.advertised_url() + "\n", dir_fd=dir_fd)
             print(f"Orchard server: {recipe.advertised_url()}", flush=True)
         code = child.wait()
         return 0 if asked and code == -signal.SIGTERM else code  # it ended by the signal we passed on, as asked
     finally:
-        recipe.url_file.unlink(missing_ok=True)
+        _unlink_in(dir_fd, recipe.url_file.name)
+        os.close(dir_fd)
         if child.poll() is None:
             child.terminate()
             child.wait()
+
+
+def read_url(recipe: Recipe) -> Optional[str]:
+    """The URL in the launch dir's URL file, None while there is none. A launch dir or URL file
+    that someone else could have written (a symlink, another user's, writable by others, not
+    a regular file, e.g. a FIFO) is refused with LaunchError, as is a URL that is not http(s)."""
+    try:
+        dir_fd = open_launch_dir(recipe)
+    except FileNotFoundError:
+        return None
+    try:
+        try:
+            fd = os.open(recipe.url_file.name, _READ_FLAGS, dir_fd=dir_fd)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:  # ELOOP: a symlink
+            raise LaunchError(f"{recipe.url_file}: {exc.strerror}; the launch refuses it") from None
+        try:
+            _check_private(os.fstat(fd), recipe.url_file, "regular file", owner=os.fstat(dir_fd).st_uid)
+            data = os.read(fd, _URL_MAX + 1)
+        finally:
+            os.close(fd)
+    finally:
+        os.close(dir_fd)
+    url = data.decode("utf-8", "replace").strip()
+    if not url:
+        return None  # being written (never, atomically) or emptied: look again
+    if len(data) > _URL_MAX or not re.fullmatch(r"https?://[^\s/?#]+", url):
+        raise LaunchError(f"{recipe.url_file}: not a server URL (http://host:port); the launch refuses it")
+    return url
 
 
 def wait_for_server(recipe: Recipe) -> str:
     """The URL the server announced, once it answers (a stale file from an earlier run does not)."""
     deadline = time.monotonic() + float(recipe.platform.get("wait_seconds", 600))
     while time.monotonic() < deadline:
-        if recipe.url_file.exists():
-            url = recipe.url_file.read_text().strip()
-            if url and answers(url):
-                return url
+        url = read_url(recipe)
+        if url and answers(url):
+            return url
         time.sleep(1)
     raise TimeoutError(f"no Orchard server answered through {recipe.url_file} in time")
 
@@ -96,8 +218,12 @@ def train(recipe: Recipe, steps: Optional[int] = None) -> list[dict[str, Any]]:
     url = wait_for_server(recipe)
     if recipe.trainer == "slime":
         settings = recipe.launch_dir / "orchard-slime.yaml"  # holds the API key: owner-only
-        write_atomically(settings, yaml.safe_dump(recipe.slime_settings(url, os.environ.get("ORCHARD_API_KEY"))),
-                         0o600)
+        dir_fd = open_launch_dir(recipe)
+        try:
+            write_atomically(settings, yaml.safe_dump(recipe.slime_settings(url, os.environ.get("ORCHARD_API_KEY"))),
+                             0o600, dir_fd=dir_fd)
+        finally:
+            os.close(dir_fd)
         command = recipe.slime_command()
         os.execvpe(command[0], command, {**os.environ, "ORCHARD_SLIME_CONFIG": str(settings)})
     from orchard.train.rl_run import run

@@ -68,7 +68,7 @@ def test_the_server_announces_itself_while_it_answers_and_the_slime_trainer_gets
 
 def test_a_stale_url_from_an_earlier_run_is_not_taken(tmp_path):
     recipe = Recipe.load(launch_file(tmp_path))
-    recipe.launch_dir.mkdir()
+    recipe.launch_dir.mkdir(mode=0o700)  # the launch refuses one others can write
     recipe.url_file.write_text(f"http://127.0.0.1:{free_port()}\n")  # nothing answers there
     recipe.platform["wait_seconds"] = 2
     started = time.monotonic()
