@@ -76,7 +76,7 @@ class PostgresStore(Store):
     def __init__(self, url: str, call_timeout: float = 10.0) -> None:
         self.url, self.call_timeout = url, call_timeout
         self._lock = threading.Lock()
-        self._watched: Optional[tuple[float, int]] = None  # the call in progress: its deadline and socket
+        self._watched: Optional[tuple[float, int]] = None  # the call in progress: its deadline, a dup of its socket
         self._watch_lock = threading.Lock()  # a call never ends while the watchdog cuts its socket
         self._closing = threading.Event()
         self._led: set[str] = set()  # roles whose lock this session holds
@@ -92,12 +92,12 @@ class PostgresStore(Store):
         while not self._closing.wait(min(0.25, self.call_timeout / 4)):
             with self._watch_lock:
                 if self._watched is not None and time.monotonic() > self._watched[0]:
-                    _, fd = self._watched
+                    _, fd = self._watched  # the call's own duplicate: now the watchdog's to close
                     self._watched = None
                     log.warning("PostgreSQL store call timed out: cutting its connection",
                                 extra={"fields": {"call_timeout": self.call_timeout}})
                     try:
-                        with socket.socket(fileno=os.dup(fd)) as stalled:
+                        with socket.socket(fileno=fd) as stalled:
                             stalled.shutdown(socket.SHUT_RDWR)  # the blocked read returns: the call fails
                     except OSError as exc:  # gone already: the call ended some other way
                         log.warning("PostgreSQL store watchdog: %s", exc)
@@ -135,13 +135,15 @@ class PostgresStore(Store):
         ends what the session held."""
         with self._lock:
             db = self._connection()
-            if watched:
-                with self._watch_lock:
-                    self._watched = (time.monotonic() + self.call_timeout, db.pgconn.socket)
             try:
+                if watched:  # a duplicate of the socket's descriptor, never libpq's number itself: libpq closes
+                    # that when it drops the connection (or close() does), and another socket may get it
+                    sock = os.dup(db.pgconn.socket)
+                    with self._watch_lock:
+                        self._watched = (time.monotonic() + self.call_timeout, sock)
                 yield db
             except psycopg.Error as exc:
-                self._unwatch()  # before the socket may be closed: its number could be reused
+                self._unwatch()
                 if db.closed:
                     self._session_lost(db, exc)
                 elif not isinstance(exc, TRANSIENT_ERRORS):
@@ -152,7 +154,9 @@ class PostgresStore(Store):
 
     def _unwatch(self) -> None:
         with self._watch_lock:
-            self._watched = None
+            watched, self._watched = self._watched, None
+        if watched is not None:  # else none, or the watchdog took it (and closes it)
+            os.close(watched[1])
 
     def _session_lost(self, db: psycopg.Connection, exc: BaseException) -> None:
         """Forget the advisory locks: PostgreSQL released them with the session, so another

@@ -361,3 +361,33 @@ def test_writes_refused_by_a_read_only_standby_are_a_503(database):
         store.put_sandbox(test_postgres_store.record("refused"))
     assert store.get_sandbox("refused") is None  # reads go on
     store.close()
+
+
+def test_the_watchdog_never_cuts_a_socket_that_took_over_its_calls_descriptor_number(database):
+    """libpq closes a dropped connection's socket itself, inside the call, before the store
+    hears of it; another thread's new socket may get that number at once. The watchdog must
+    cut the call's connection, not whatever holds the number by then; and a call leaks no
+    descriptor."""
+    import socket
+
+    from orchard.server.postgres import PostgresStore
+
+    store = PostgresStore(database, call_timeout=0.2)
+    fds = lambda: len(os.listdir("/proc/self/fd"))  # noqa: E731
+    before = fds()
+    for _ in range(20):
+        store.get_sandbox("none")
+    assert fds() == before
+    ours, peer = socket.socketpair()
+    ours.settimeout(5)
+    try:
+        with store._session() as db:
+            # what libpq's drop and another thread's socket() amount to: the call's number is another socket now
+            os.dup2(ours.fileno(), db.pgconn.socket)
+            time.sleep(1.0)  # past call_timeout: the watchdog fires
+        peer.sendall(b"ping")
+        assert ours.recv(4) == b"ping"  # not shut down
+    finally:
+        store.close()  # libpq says goodbye on the socketpair and closes its (dup2'd) number
+        ours.close()
+        peer.close()
