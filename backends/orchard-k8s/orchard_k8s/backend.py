@@ -175,7 +175,8 @@ class KubernetesBackend(AgentBackedBackend):
                     if attempts <= 1:
                         raise BackendUnavailable(f"sandbox {sandbox_id!r}: its key Secret kept being made by "
                                                  "another server")
-                self._tokens[name] = key
+                else:  # never None: a pod of this name made later (by another replica) would read as key-less
+                    self._tokens[name] = key
         if made is None:
             await self._wait(name, lambda pod: pod is not None, spec, "the pod another server made to show")
             return await self.placed(sandbox_id) or await self._place(spec, attempts)  # adopted, or deleted

@@ -129,7 +129,8 @@ class PodApiTestServer:
         self.requests: Counter[tuple[str, str]] = Counter()  # (method, resource), watches excluded
         self.watches = 0
         self.faults: list[int] = []  # answer the next API calls with these statuses
-        self.faults_for: dict[tuple[str, str], list[int]] = {}  # the same, for one (method, resource) only
+        self.faults_for: dict[tuple[str, str], list[Optional[int]]] = {}  # the same, for one (method, resource)
+        # only; None: that call is answered as usual
         self.pull_errors: dict[str, str] = {}
         self.unschedulable: Optional[str] = None
         self.watch_delay = 0.0  # seconds between a change and its watch event
@@ -270,7 +271,9 @@ class PodApiTestServer:
         aimed = self.faults_for.get((method, resource))
         if self.faults or aimed:
             code = aimed.pop(0) if aimed else self.faults.pop(0)
-            reason = {403: "Forbidden", 429: "TooManyRequests"}.get(code, "InternalError")
+            if code is None:
+                return None
+            reason = {403: "Forbidden", 409: "AlreadyExists", 429: "TooManyRequests"}.get(code, "InternalError")
             response = status_body(code, reason, f"injected {code}")
             if code == 429:
                 response.headers["Retry-After"] = "0"

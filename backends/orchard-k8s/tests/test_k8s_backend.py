@@ -231,6 +231,59 @@ def test_a_stale_key_secret_of_an_older_pod_is_replaced_never_trusted(k8s_settin
     asyncio.run(scenario())
 
 
+def test_after_a_stale_key_the_pod_another_replica_made_meanwhile_is_adopted_not_deleted(k8s_settings, pod_api):
+    """A stale key Secret makes the create start over; if another replica makes the sandbox's
+    pod (with its key) before the new attempt, that attempt's create answers 409 and the pod
+    is adopted with the key its Secret holds. It was deleted as key-less: the start-over had
+    left "no key" remembered for the pod name (and the other replica's own create then failed)."""
+    import asyncio
+    import base64
+    import secrets
+
+    from kubernetes import client, config as kube_config
+
+    from orchard.backends.loading import load_backend
+    from orchard.models import SandboxSpec
+    from orchard_k8s import pods
+
+    api = client.CoreV1Api(kube_config.new_client_from_config(k8s_settings["kubeconfig"]))
+    namespace = k8s_settings["namespace"]
+
+    async def scenario() -> None:
+        backend = load_backend("k8s", k8s_settings)
+        await backend.resources()  # the shared watch runs
+        spec = SandboxSpec(image=KIT_IMAGE, sandbox_id=f"adopt-{secrets.token_hex(4)}")
+        name = manifests.pod_name(str(spec.sandbox_id))
+        api.create_namespaced_secret(namespace, manifests.secret_manifest(
+            str(spec.sandbox_id), secrets.token_urlsafe(32), backend.config, {"name": "gone", "uid": "0-old-pod"}))
+        posts = pod_api.requests[("POST", "pods")]
+        pod_api.faults_for[("POST", "pods")] = [None, 409]  # the second attempt finds a pod of that name
+        try:
+            creating = asyncio.create_task(backend.create(spec))
+            while pod_api.requests[("POST", "pods")] < posts + 2:
+                await asyncio.sleep(0.01)
+            # the other replica's pod and key (blocking calls: both are there before the backend looks)
+            theirs = api.create_namespaced_pod(namespace, manifests.pod_manifest(spec, backend.config))
+            their_token = secrets.token_urlsafe(32)
+            api.create_namespaced_secret(namespace, manifests.secret_manifest(
+                str(spec.sandbox_id), their_token, backend.config,
+                {"name": theirs.metadata.name, "uid": theirs.metadata.uid}))
+            sandbox = await asyncio.wait_for(creating, 90)
+        finally:
+            pod_api.faults_for.pop(("POST", "pods"), None)
+        assert sandbox.status == "ready"
+        assert api.read_namespaced_pod(name, namespace).metadata.uid == theirs.metadata.uid  # adopted, not remade
+        endpoint = await backend.endpoint(spec.sandbox_id)
+        assert endpoint.token == their_token
+        assert base64.b64decode(api.read_namespaced_secret(manifests.secret_name(str(spec.sandbox_id)),
+                                                           namespace).data["token"]).decode() == their_token
+        assert pods.is_ready(backend._watch.pods[name])
+        await backend.delete(str(spec.sandbox_id))
+        await backend.close()
+
+    asyncio.run(scenario())
+
+
 def test_a_sandbox_whose_pod_has_not_started_is_deleted_without_asking_its_agent(k8s_settings, pod_api):
     """A create cut by its replica's death and never asked again leaves a pending record; the
     survivor's reconciler drops it by deleting the sandbox. Its pod had not started (here:
