@@ -142,9 +142,16 @@ def serve(recipe: Recipe) -> int:
         raise LaunchError("set ORCHARD_API_KEY: the launch's server listens on the cluster's network, and without "
                           "a key anyone who reaches it could run commands in its sandboxes")
     dir_fd, config = prepare_server(recipe)
+    key_file = recipe.launch_dir / "api-key"
     try:
-        child = subprocess.Popen([sys.executable, "-m", "orchard.cli", "serve", "--config", str(config)])
+        # the key by an owner-only file, not the environment: what the server starts inherits its
+        # environment (Slurm pilot jobs through sbatch's --export=ALL, the local backend's agents)
+        write_atomically(key_file, os.environ["ORCHARD_API_KEY"] + "\n", 0o600, dir_fd=dir_fd)
+        env = {k: v for k, v in os.environ.items() if k != "ORCHARD_API_KEY"}
+        child = subprocess.Popen([sys.executable, "-m", "orchard.cli", "serve", "--config", str(config)],
+                                 env={**env, "ORCHARD_API_KEY_FILE": str(key_file)})
     except BaseException:
+        _unlink_in(dir_fd, key_file.name)
         os.close(dir_fd)
         raise
     asked: list[int] = []
@@ -166,10 +173,11 @@ def serve(recipe: Recipe) -> int:
         return 0 if asked and code == -signal.SIGTERM else code  # it ended by the signal we passed on, as asked
     finally:
         _unlink_in(dir_fd, recipe.url_file.name)
-        os.close(dir_fd)
         if child.poll() is None:
             child.terminate()
             child.wait()
+        _unlink_in(dir_fd, key_file.name)
+        os.close(dir_fd)
 
 
 def read_url(recipe: Recipe) -> Optional[str]:

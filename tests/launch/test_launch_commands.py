@@ -112,3 +112,27 @@ def test_a_private_file_is_created_owner_only(tmp_path):
         os.umask(previous)
     assert oct(target.stat().st_mode & 0o777) == "0o600" and target.read_text() == "api_key: secret\n"
     assert not (tmp_path / "settings.yaml.part").exists()
+
+
+def test_the_server_gets_its_key_by_an_owner_only_file_not_its_environment(tmp_path):
+    """What the server starts inherits its environment: Slurm pilot jobs (sbatch exports it
+    all), the local backend's agents. The key is not in it: the server reads an owner-only
+    file in the launch dir, removed when it stops; the key still guards every route."""
+    import httpx
+
+    config = launch_file(tmp_path)
+    recipe = Recipe.load(config)
+    server = orchard("serve", "--config", str(config))
+    try:
+        url = wait_for_server(recipe)
+        [child] = [int(pid) for pid in Path(f"/proc/{server.pid}/task/{server.pid}/children").read_text().split()]
+        environ = Path(f"/proc/{child}/environ").read_bytes().split(b"\0")
+        assert not [entry for entry in environ if entry.startswith(b"ORCHARD_API_KEY=")]
+        key_file = recipe.launch_dir / "api-key"
+        assert oct(key_file.stat().st_mode & 0o777) == "0o600" and key_file.read_text() == "launch-key\n"
+        assert httpx.get(url + "/sandboxes").status_code == 401
+        assert httpx.get(url + "/sandboxes", headers={"X-API-Key": "launch-key"}).status_code == 200
+    finally:
+        server.send_signal(signal.SIGUSR1)
+        assert server.wait(timeout=60) == 0
+    assert not (recipe.launch_dir / "api-key").exists() and not recipe.url_file.exists()
