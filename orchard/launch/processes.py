@@ -33,6 +33,33 @@ def answers(url: str) -> bool:
         return False
 
 
+def listens(pid: int, port: int) -> bool:
+    """Whether process ``pid`` holds a listening TCP socket on ``port`` (Linux: /proc; True
+    where there is no /proc to ask). Another user's process that took the port first answers
+    /health too: the URL of a port that is not our server's is never announced."""
+    wanted = set()
+    tables = [table for table in ("/proc/net/tcp", "/proc/net/tcp6") if os.path.exists(table)]
+    if not tables:
+        return True
+    for table in tables:
+        with open(table) as handle:
+            for line in handle.read().splitlines()[1:]:
+                fields = line.split()
+                if len(fields) > 9 and fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                    wanted.add(f"socket:[{fields[9]}]")
+    try:
+        descriptors = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return False
+    for fd in descriptors:
+        try:
+            if os.readlink(f"/proc/{pid}/fd/{fd}") in wanted:
+                return True
+        except OSError:
+            continue
+    return False
+
+
 # The launch dir holds what the trainer trusts (the URL it sends the API key to) and files the
 # server writes (its config and state): it must be ours alone. Everything in it is opened
 # relative to a descriptor of the checked directory, never by following a symlink.
@@ -164,7 +191,7 @@ def serve(recipe: Recipe) -> int:
         signal.signal(sig, stop)
     try:
         local = f"http://127.0.0.1:{recipe.port}"
-        while child.poll() is None and not answers(local):
+        while child.poll() is None and not (listens(child.pid, recipe.port) and answers(local)):
             time.sleep(0.2)
         if child.poll() is None:
             write_atomically(recipe.url_file, recipe.advertised_url() + "\n", dir_fd=dir_fd)

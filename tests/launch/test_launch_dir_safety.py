@@ -170,3 +170,29 @@ def test_write_atomically_follows_no_symlink(tmp_path):
     with pytest.raises(OSError):  # a path through a symlinked directory is not written either
         (tmp_path / "linked").symlink_to(tmp_path)
         write_atomically(tmp_path / "linked" / "other.yaml", "x\n")
+
+
+def test_a_port_taken_by_someone_else_is_never_announced(tmp_path, thief):
+    """Another user on the server's node holds the launch's port first and answers /health:
+    the server cannot listen there and exits, and its URL (which would reach the squatter,
+    the trainer sending it the key) is never written, not even for a moment."""
+    import subprocess
+    import sys
+    import time
+
+    port = int(thief.rsplit(":", 1)[1])
+    path = tmp_path / "launch.yaml"
+    path.write_text(yaml.safe_dump({"platform": {"workdir": str(tmp_path / "work"), "wait_seconds": 3,
+                                                 "backend": {"name": "local"}},
+                                    "server": {"port": port, "log_level": "warning"}}))
+    recipe = Recipe.load(path)
+    server = subprocess.Popen([sys.executable, "-m", "orchard.cli", "launch", "serve", "--config", str(path)],
+                              env={**os.environ, "ORCHARD_API_KEY": "launch-key"}, stderr=subprocess.DEVNULL)
+    announced = False
+    deadline = time.monotonic() + 60
+    while server.poll() is None and time.monotonic() < deadline:
+        announced = announced or recipe.url_file.exists()
+        time.sleep(0.005)
+    if server.poll() is None:
+        server.kill()
+    assert server.wait() != 0 and not announced
