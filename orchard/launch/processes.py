@@ -5,6 +5,8 @@ same on Slurm (a shared filesystem across the job's nodes) and in a pod (a share
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
 import os
 import re
 import signal
@@ -31,6 +33,21 @@ def answers(url: str) -> bool:
             return True
     except OSError:
         return False
+
+
+def url_mac(url: str, api_key: str) -> str:
+    """What the server writes under its URL: only a holder of the launch's key can make it, so
+    a URL file left by an earlier launch with another key (whose host and port may be someone
+    else's by now) or written by anyone else is never taken for this launch's."""
+    return hmac.new(api_key.encode(), b"orchard launch url\0" + url.encode(), hashlib.sha256).hexdigest()
+
+
+def _api_key(api_key: Optional[str]) -> str:
+    key = api_key if api_key is not None else os.environ.get("ORCHARD_API_KEY")
+    if not key:
+        raise LaunchError("set ORCHARD_API_KEY: the launch's server requires it, and the trainer checks the "
+                          "server's URL file with it")
+    return key
 
 
 def listens(pid: int, port: int) -> bool:
@@ -194,7 +211,9 @@ def serve(recipe: Recipe) -> int:
         while child.poll() is None and not (listens(child.pid, recipe.port) and answers(local)):
             time.sleep(0.2)
         if child.poll() is None:
-            write_atomically(recipe.url_file, recipe.advertised_url() + "\n", dir_fd=dir_fd)
+            url = recipe.advertised_url()
+            write_atomically(recipe.url_file, f"{url}\nmac={url_mac(url, os.environ['ORCHARD_API_KEY'])}\n",
+                             dir_fd=dir_fd)
             print(f"Orchard server: {recipe.advertised_url()}", flush=True)
         code = child.wait()
         return 0 if asked and code == -signal.SIGTERM else code  # it ended by the signal we passed on, as asked
@@ -207,10 +226,12 @@ def serve(recipe: Recipe) -> int:
         os.close(dir_fd)
 
 
-def read_url(recipe: Recipe) -> Optional[str]:
-    """The URL in the launch dir's URL file, None while there is none. A launch dir or URL file
-    that someone else could have written (a symlink, another user's, writable by others, not
-    a regular file, e.g. a FIFO) is refused with LaunchError, as is a URL that is not http(s)."""
+def read_url(recipe: Recipe, api_key: Optional[str] = None) -> Optional[str]:
+    """The URL in the launch dir's URL file, None while there is none or it is not this
+    launch's (its ``mac`` line not made with the key). A launch dir or URL file that someone
+    else could have written (a symlink, another user's, writable by others, not a regular
+    file, e.g. a FIFO) is refused with LaunchError, as is a URL that is not http(s)."""
+    key = _api_key(api_key)
     try:
         dir_fd = open_launch_dir(recipe)
     except FileNotFoundError:
@@ -229,19 +250,26 @@ def read_url(recipe: Recipe) -> Optional[str]:
             os.close(fd)
     finally:
         os.close(dir_fd)
-    url = data.decode("utf-8", "replace").strip()
+    lines = data.decode("utf-8", "replace").strip().split("\n")
+    url = lines[0].strip()
     if not url:
         return None  # being written (never, atomically) or emptied: look again
     if len(data) > _URL_MAX or not re.fullmatch(r"https?://[^\s/?#]+", url):
         raise LaunchError(f"{recipe.url_file}: not a server URL (http://host:port); the launch refuses it")
+    mac = lines[1].strip() if len(lines) == 2 else ""
+    if not hmac.compare_digest(mac.encode(), f"mac={url_mac(url, key)}".encode()):
+        return None  # an earlier launch's (another key), or not the server's: wait for this launch's
     return url
 
 
-def wait_for_server(recipe: Recipe) -> str:
-    """The URL the server announced, once it answers (a stale file from an earlier run does not)."""
+def wait_for_server(recipe: Recipe, api_key: Optional[str] = None) -> str:
+    """The URL the server announced, once it answers (a stale file from an earlier run does
+    not; one from an earlier run with another key is not even tried). ``api_key``: the
+    launch's key (ORCHARD_API_KEY where None)."""
+    key = _api_key(api_key)
     deadline = time.monotonic() + float(recipe.platform.get("wait_seconds", 600))
     while time.monotonic() < deadline:
-        url = read_url(recipe)
+        url = read_url(recipe, key)
         if url and answers(url):
             return url
         time.sleep(1)

@@ -53,7 +53,7 @@ def test_the_server_announces_itself_while_it_answers_and_the_slime_trainer_gets
     recipe = Recipe.load(config)
     server = orchard("serve", "--config", str(config))
     try:
-        url = wait_for_server(recipe)
+        url = wait_for_server(recipe, "launch-key")
         trainer = orchard("train", "--config", str(config))
         assert trainer.wait(timeout=120) == 0
         ran = json.loads((tmp_path / "slime-ran.json").read_text())
@@ -73,7 +73,7 @@ def test_a_stale_url_from_an_earlier_run_is_not_taken(tmp_path):
     recipe.platform["wait_seconds"] = 2
     started = time.monotonic()
     with pytest.raises(TimeoutError):
-        wait_for_server(recipe)
+        wait_for_server(recipe, "launch-key")
     assert time.monotonic() - started >= 2
 
 
@@ -124,7 +124,7 @@ def test_the_server_gets_its_key_by_an_owner_only_file_not_its_environment(tmp_p
     recipe = Recipe.load(config)
     server = orchard("serve", "--config", str(config))
     try:
-        url = wait_for_server(recipe)
+        url = wait_for_server(recipe, "launch-key")
         [child] = [int(pid) for pid in Path(f"/proc/{server.pid}/task/{server.pid}/children").read_text().split()]
         environ = Path(f"/proc/{child}/environ").read_bytes().split(b"\0")
         assert not [entry for entry in environ if entry.startswith(b"ORCHARD_API_KEY=")]

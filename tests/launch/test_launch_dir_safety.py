@@ -13,8 +13,17 @@ from pathlib import Path
 import pytest
 import yaml
 
-from orchard.launch.processes import LaunchError, prepare_server, read_url, wait_for_server, write_atomically
+from orchard.launch.processes import (LaunchError, prepare_server, read_url, url_mac, wait_for_server,
+                                      write_atomically)
 from orchard.launch.recipe import Recipe
+
+
+KEY = "launch-key"
+
+
+def announced(url: str, key: str = KEY) -> str:
+    """A URL file's content as the server writes it."""
+    return f"{url}\nmac={url_mac(url, key)}\n"
 
 
 def recipe_in(workdir: Path) -> Recipe:
@@ -72,17 +81,37 @@ def in_time(call, seconds: float = 10.0):
 def test_the_trainer_takes_the_url_of_a_private_launch_dir(tmp_path, thief):
     recipe = recipe_in(tmp_path)
     recipe.launch_dir.mkdir(mode=0o700)
-    recipe.url_file.write_text(thief + "\n")
-    assert wait_for_server(recipe) == thief
+    recipe.url_file.write_text(announced(thief))
+    assert wait_for_server(recipe, KEY) == thief
+
+
+@pytest.mark.parametrize("content", [lambda url: announced(url, "an earlier launch's key"), lambda url: url + "\n",
+                                     lambda url: f"{url}\nmac={'0' * 64}\n"],
+                         ids=["another-key", "no-mac", "wrong-mac"])
+def test_a_url_file_not_made_with_this_launchs_key_is_not_taken(tmp_path, thief, content):
+    """Left by an earlier launch with another key (its server killed before it could remove
+    it; its host and port may be anyone's by now), or written without the key: the trainer
+    waits for this launch's server instead of sending its key there."""
+    recipe = recipe_in(tmp_path)
+    recipe.launch_dir.mkdir(mode=0o700)
+    recipe.url_file.write_text(content(thief))
+    with pytest.raises(TimeoutError):
+        in_time(lambda: wait_for_server(recipe, KEY))
+
+
+def test_the_trainer_needs_the_key_to_check_the_url_file(tmp_path, monkeypatch):
+    monkeypatch.delenv("ORCHARD_API_KEY", raising=False)
+    with pytest.raises(LaunchError, match="ORCHARD_API_KEY"):
+        wait_for_server(recipe_in(tmp_path))
 
 
 def test_a_launch_dir_others_can_write_is_refused(tmp_path, thief):
     recipe = recipe_in(tmp_path)
     recipe.launch_dir.mkdir()
     recipe.launch_dir.chmod(0o777)  # group-writable scratch: someone else's URL could be in it
-    recipe.url_file.write_text(thief + "\n")
+    recipe.url_file.write_text(announced(thief))
     with pytest.raises(LaunchError, match="writable by others"):
-        in_time(lambda: wait_for_server(recipe))
+        in_time(lambda: wait_for_server(recipe, KEY))
     with pytest.raises(LaunchError, match="writable by others"):
         prepare_server(recipe)
 
@@ -91,10 +120,10 @@ def test_a_symlinked_launch_dir_is_refused(tmp_path, thief):
     recipe = recipe_in(tmp_path)
     planted = tmp_path / "planted"
     planted.mkdir(mode=0o700)
-    (planted / "service.url").write_text(thief + "\n")
+    (planted / "service.url").write_text(announced(thief))
     recipe.launch_dir.symlink_to(planted)
     with pytest.raises(LaunchError, match="not a directory of this user"):
-        in_time(lambda: wait_for_server(recipe))
+        in_time(lambda: wait_for_server(recipe, KEY))
     with pytest.raises(LaunchError):
         prepare_server(recipe)
     assert not (planted / "server.yaml").exists()
@@ -103,19 +132,19 @@ def test_a_symlinked_launch_dir_is_refused(tmp_path, thief):
 def test_a_symlinked_url_file_is_refused(tmp_path, thief):
     recipe = recipe_in(tmp_path)
     recipe.launch_dir.mkdir(mode=0o700)
-    (tmp_path / "elsewhere.url").write_text(thief + "\n")
+    (tmp_path / "elsewhere.url").write_text(announced(thief))
     recipe.url_file.symlink_to(tmp_path / "elsewhere.url")
     with pytest.raises(LaunchError):
-        in_time(lambda: wait_for_server(recipe))
+        in_time(lambda: wait_for_server(recipe, KEY))
 
 
 def test_a_url_file_others_can_write_is_refused(tmp_path, thief):
     recipe = recipe_in(tmp_path)
     recipe.launch_dir.mkdir(mode=0o700)
-    recipe.url_file.write_text(thief + "\n")
+    recipe.url_file.write_text(announced(thief))
     recipe.url_file.chmod(0o666)
     with pytest.raises(LaunchError, match="writable by others"):
-        in_time(lambda: wait_for_server(recipe))
+        in_time(lambda: wait_for_server(recipe, KEY))
 
 
 def test_a_fifo_for_a_url_file_does_not_keep_the_trainer_waiting(tmp_path):
@@ -123,7 +152,7 @@ def test_a_fifo_for_a_url_file_does_not_keep_the_trainer_waiting(tmp_path):
     recipe.launch_dir.mkdir(mode=0o700)
     os.mkfifo(recipe.url_file)
     with pytest.raises(LaunchError, match="not a regular file"):
-        in_time(lambda: wait_for_server(recipe))
+        in_time(lambda: wait_for_server(recipe, KEY))
 
 
 @pytest.mark.parametrize("text", ["data:,ok", "file:///etc/passwd", "http://a b:1", "http://h:1/x\nhttp://h:2"])
@@ -132,7 +161,7 @@ def test_what_is_not_a_server_url_is_refused(tmp_path, text):
     recipe.launch_dir.mkdir(mode=0o700)
     recipe.url_file.write_text(text + "\n")
     with pytest.raises(LaunchError, match="not a server URL"):
-        in_time(lambda: wait_for_server(recipe))
+        in_time(lambda: wait_for_server(recipe, KEY))
 
 
 def test_the_server_makes_its_launch_dir_private_and_follows_no_symlink_there(tmp_path):
@@ -155,7 +184,7 @@ def test_the_server_makes_its_launch_dir_private_and_follows_no_symlink_there(tm
     dir_fd, _ = prepare_server(recipe)
     os.close(dir_fd)
     assert victim.read_text() == "precious\n" and not config.is_symlink() and not recipe.url_file.exists()
-    assert read_url(recipe) is None
+    assert read_url(recipe, KEY) is None
 
 
 def test_write_atomically_follows_no_symlink(tmp_path):
