@@ -104,9 +104,13 @@ def run_study(config: PipelineConfig, seeds: Sequence[int], ablations: bool = Fa
     for seed in seeds:
         seed_config = replace(config, seed=seed, output_dir=root / f"seed-{seed}",
                               start_from=config.start_from / f"seed-{seed}" if config.start_from else None)
-        if summarize_only:  # what each seed has evaluated so far
-            if evaluated(seed_config.output_dir):
-                per_seed[seed] = evaluated(seed_config.output_dir)
+        if summarize_only:  # what each seed has evaluated so far (base and SFT: where they were, if reused)
+            found = evaluated(seed_config.output_dir)
+            if found and seed_config.start_from:
+                earlier = evaluated(seed_config.start_from)
+                found = {**{m: earlier[m] for m in ("base", "sft") if m in earlier}, **found}
+            if found:
+                per_seed[seed] = found
             continue
         report = _finished(seed_config, ablations) or run_pipeline(seed_config, progress, ablations)
         per_seed[seed] = {model: r["pass_rate"] for model, r in report["results"].items()}

@@ -67,3 +67,23 @@ def test_a_two_seed_study_runs_every_arm_and_resumes_without_rerunning(orchard_b
     assert json.loads(summary_file.read_text())["models"] == summary["models"], "seed 9 never ran: left out"
     bad = CliRunner().invoke(cli, ["pipeline", "--seeds", "0,x"])
     assert bad.exit_code != 0 and "--seeds" in bad.output
+
+
+def test_summarizing_a_study_started_from_another_reads_base_and_sft_where_they_were_evaluated(tmp_path):
+    from orchard.pipeline.run import PipelineConfig
+    from orchard.pipeline.study import run_study
+
+    def evaluations(directory, model, resolved):
+        directory.mkdir(parents=True, exist_ok=True)
+        rows = [{"status": "completed", "grade": {"resolved": r}} for r in resolved]
+        (directory / f"eval-{model}.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+
+    for seed in (0, 1):
+        evaluations(tmp_path / "before" / f"seed-{seed}", "base", [False, False])
+        evaluations(tmp_path / "before" / f"seed-{seed}", "sft", [True, False])
+        evaluations(tmp_path / "before" / f"seed-{seed}", "sft-rl", [False, False])  # the earlier RL: not this study's
+        evaluations(tmp_path / "after" / f"seed-{seed}", "sft-rl", [True, True])
+    config = PipelineConfig(output_dir=tmp_path / "after", start_from=tmp_path / "before")
+    summary = run_study(config, [0, 1], summarize_only=True)
+    assert {model: row["values"] for model, row in summary["models"].items()} == {
+        "base": [0.0, 0.0], "sft": [0.5, 0.5], "sft+rl": [1.0, 1.0]}
