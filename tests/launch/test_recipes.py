@@ -23,6 +23,7 @@ REPO = Path(__file__).resolve().parents[2]
 SBATCH = REPO / "slurm" / "orchard-launch.sbatch"
 SLURM_FILE, K8S_FILE = REPO / "slurm" / "launch.yaml", REPO / "k8s" / "launch" / "launch.yaml"
 JOB, RAYJOB = REPO / "k8s" / "launch" / "job.yaml", REPO / "k8s" / "launch" / "rayjob.yaml"
+POLICY = REPO / "k8s" / "launch" / "network-policy.yaml"
 CONFIG = "<launch file>"
 SERVE, TRAIN = ("orchard", "launch", "serve", "--config", CONFIG), ("orchard", "launch", "train", "--config", CONFIG)
 
@@ -136,7 +137,7 @@ def test_the_job_manifest_passes_the_kubernetes_schemas_and_the_rayjobs_pods_too
             {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": f"t{index}", "namespace": "orchard"},
              "template": template}))
     command = [sys.executable, "-m", "kubernetes_validate", "--strict", "--kubernetes-version", "1.33"]
-    result = subprocess.run([*command, str(JOB), *map(str, sorted(tmp_path.glob("*.yaml")))],
+    result = subprocess.run([*command, str(JOB), str(POLICY), *map(str, sorted(tmp_path.glob("*.yaml")))],
                             capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
     (tmp_path / "broken.yaml").write_text(JOB.read_text().replace("restartPolicy: Always", "restartPolicyy: Always"))
@@ -150,3 +151,26 @@ def test_every_launch_script_is_bash_n_clean():
         result = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
         assert result.returncode == 0, f"{script.name}: {result.stderr}"
         assert "set -euo pipefail" in script.read_text(), script.name
+
+
+def test_no_sandbox_may_reach_a_launchs_pods():
+    """Ray's head takes jobs without authentication, beside the API key and the GPUs: the
+    launch's pods admit anything but sandbox pods (the label every sandbox pod carries)."""
+    from orchard_k8s import manifests
+    from orchard_k8s.config import K8sConfig
+    from orchard.models import SandboxSpec
+
+    policy = yaml.safe_load(POLICY.read_text())
+    selected = policy["spec"]["podSelector"]["matchLabels"]
+    [job] = [doc for doc in yaml.safe_load_all(JOB.read_text()) if doc["kind"] == "Job"]
+    ray = yaml.safe_load(RAYJOB.read_text())["spec"]["rayClusterSpec"]
+    launch_pods = [job["spec"]["template"], ray["headGroupSpec"]["template"],
+                   *[group["template"] for group in ray["workerGroupSpecs"]]]
+    for template in launch_pods:
+        assert selected.items() <= template["metadata"]["labels"].items()
+    [rule] = policy["spec"]["ingress"]
+    [source] = rule["from"]
+    [expression] = source["podSelector"]["matchExpressions"]
+    sandbox = manifests.pod_manifest(SandboxSpec(image="img", sandbox_id="s1"), K8sConfig(namespace="orchard"))
+    labels = sandbox["metadata"]["labels"]
+    assert expression["operator"] == "NotIn" and labels.get(expression["key"]) in expression["values"]
