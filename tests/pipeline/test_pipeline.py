@@ -102,7 +102,7 @@ def test_orchard_pipeline_runs_end_to_end_with_tiny_budgets(orchard_backend_sett
     assert set(report["results"]) == {"base", "sft", "sft+rl"}
     assert set(report["stages"]) >= {"tasks", "base model", "expert trajectories", "credit assignment", "sft", "rl"}
     assert "ground-truth values" in report["stages"]["credit assignment"]["values"]
-    assert all(0 < facts["rss_mb"] <= facts["peak_rss_mb"] for facts in report["stages"].values())
+    assert all(0 < facts["rss_mb"] <= facts["peak_rss_mb"] for facts in report["stages"].values()), report["stages"]
     for name in ("report.md", "report.png", "expert.jsonl", "sft.jsonl", "eval-base.jsonl", "eval-sft-rl.jsonl"):
         assert (tmp_path / "run" / name).exists(), name
     # RL again from that run's SFT weights: nothing before RL is redone, its evaluations reused
