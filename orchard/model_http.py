@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-from contextlib import AsyncExitStack
+from contextlib import nullcontext
 from typing import Any, Callable, Optional
 
 import httpx
@@ -68,9 +68,7 @@ async def post_with_retries(http: httpx.AsyncClient, url: str, body: dict[str, A
     spreads a herd of clients) or the server's ``Retry-After``, at most ``max_backoff``."""
     for attempt in range(1, attempts + 1):
         try:
-            async with AsyncExitStack() as stack:
-                if slots is not None:
-                    await stack.enter_async_context(slots)
+            async with slots if slots is not None else nullcontext():
                 if on_request is not None:
                     on_request()
                 response = await http.post(url, json=body)

@@ -38,7 +38,8 @@ def launch() -> None:
 @handle_errors
 def serve(config_file: Path) -> None:
     """The Orchard server with the file's backend; its URL goes to <workdir>/launch/service.url."""
-    from orchard.launch.processes import LaunchError, serve as run
+    from orchard.launch.launch_dir import LaunchError
+    from orchard.launch.processes import serve as run
 
     try:
         code = run(_recipe(config_file))
@@ -53,7 +54,8 @@ def serve(config_file: Path) -> None:
 @handle_errors
 def train(config_file: Path, steps: Optional[int]) -> None:
     """Wait for the server, then the standalone trainer (or slime's train.py) with the file's settings."""
-    from orchard.launch.processes import LaunchError, train as run
+    from orchard.launch.launch_dir import LaunchError
+    from orchard.launch.processes import train as run
 
     try:
         records = run(_recipe(config_file), steps)

@@ -101,7 +101,7 @@ def test_the_server_refuses_to_start_without_an_api_key(tmp_path):
 
 def test_a_private_file_is_created_owner_only(tmp_path):
     """Created with its mode (O_EXCL), not written world-readable and then chmodded."""
-    from orchard.launch.processes import write_atomically
+    from orchard.launch.launch_dir import write_atomically
 
     target = tmp_path / "settings.yaml"
     (tmp_path / "settings.yaml.part").write_text("left by a killed writer")

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from orchard.launch.processes import (LaunchError, prepare_server, read_url, url_mac, wait_for_server,
-                                      write_atomically)
+from orchard.launch.launch_dir import LaunchError, read_url, url_mac, write_atomically
+from orchard.launch.processes import prepare_server, wait_for_server
 from orchard.launch.recipe import Recipe
 
 

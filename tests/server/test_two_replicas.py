@@ -16,7 +16,9 @@ import json
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Callable
 
 import httpx
 
@@ -79,55 +81,74 @@ def wait_until(condition, timeout: float, what: str) -> None:
         time.sleep(0.1)
 
 
-def test_200_sandboxes_through_two_replicas_one_killed(server_factory, database):
-    first, second = replicas(server_factory, database)
-    wait_until(lambda: ROUND in first.http().get("/metrics").text, 30,
-               "the first replica's reconciler to run a round (it leads)")
-    count, kill_after = 200, 70
-    acknowledged: dict[str, str] = {}  # sandbox id -> the replica that answered
-    outcomes_on_killed: dict[str, str] = {}
-    given_up: set[str] = set()
+@dataclass
+class CreatesUnderAKill:
+    """What 200 creates through two replicas, the first killed mid-way, came to."""
+
+    acknowledged: dict[str, str]  # sandbox id -> the replica that answered
+    outcomes_on_killed: dict[str, str]  # sandbox id -> "completed" or the connection error
+    given_up: set[str]  # cut by the kill and never retried
+
+    @property
+    def cut(self) -> list[str]:
+        return sorted(sid for sid, outcome in self.outcomes_on_killed.items() if outcome != "completed")
+
+
+def create_while_killing_the_first(first: ServerProcess, second: ServerProcess, spec: dict[str, Any],
+                                   client: Callable[[ServerProcess], httpx.Client], count: int = 200,
+                                   kill_after: int = 70, diagnose: Callable[[], str] = lambda: "") -> CreatesUnderAKill:
+    """``count`` creates, 16 at once, half to each replica; the first is SIGKILLed when the
+    ``kill_after``-th is acknowledged. A call it did not answer is retried by id on the
+    second, except every fourth, whose client gives up. ``diagnose``: more for a failure."""
+    done = CreatesUnderAKill({}, {}, set())
     lock = threading.Lock()
     killed = threading.Event()
 
     def create(index: int) -> None:
         sandbox_id = f"two-replicas-{index:03d}"
-        body = {**SPEC, "sandbox_id": sandbox_id}
+        body = {**spec, "sandbox_id": sandbox_id}
         server = first if index % 2 == 0 else second
         try:
-            with server.http() as http:
+            with client(server) as http:
                 answer = http.post("/sandboxes", json=body)
         except httpx.TransportError as exc:  # refused, reset or cut: the client may retry anywhere
             assert server is first and killed.is_set(), f"{sandbox_id} on {server.url}: {exc!r}"
             with lock:
-                outcomes_on_killed[sandbox_id] = f"connection error: {type(exc).__name__}"
+                done.outcomes_on_killed[sandbox_id] = f"connection error: {type(exc).__name__}"
             if index % 4 == 2:  # this client gives up: its sandbox must not linger half made
                 with lock:
-                    given_up.add(sandbox_id)
+                    done.given_up.add(sandbox_id)
                 return
-            with second.http() as http:
+            with client(second) as http:
                 answer = http.post("/sandboxes", json=body)  # the same id: idempotent
             server = second
         else:
             if server is first:
                 with lock:
-                    outcomes_on_killed[sandbox_id] = "completed"
-        assert answer.status_code == 200, (sandbox_id, answer.status_code, answer.text)
+                    done.outcomes_on_killed[sandbox_id] = "completed"
+        assert answer.status_code == 200, (sandbox_id, answer.status_code, answer.text, diagnose())
         assert answer.json()["status"] == "ready", answer.text
         with lock:
-            acknowledged[sandbox_id] = server.url
-            if len(acknowledged) == kill_after and not killed.is_set():
+            done.acknowledged[sandbox_id] = server.url
+            if len(done.acknowledged) == kill_after and not killed.is_set():
                 killed.set()
                 first.kill9()  # mid-way: creates are in flight on it
 
     with ThreadPoolExecutor(16) as pool:
         for future in [pool.submit(create, index) for index in range(count)]:
             future.result()
-
     assert killed.is_set()
-    assert len(acknowledged) + len(given_up) == count
-    errors = [sid for sid, outcome in outcomes_on_killed.items() if outcome != "completed"]
-    assert errors, "no call to the killed replica was cut: the kill was not mid-way"
+    assert len(done.acknowledged) + len(done.given_up) == count
+    assert done.cut, "no call to the killed replica was cut: the kill was not mid-way"
+    return done
+
+
+def test_200_sandboxes_through_two_replicas_one_killed(server_factory, database):
+    first, second = replicas(server_factory, database)
+    wait_until(lambda: ROUND in first.http().get("/metrics").text, 30,
+               "the first replica's reconciler to run a round (it leads)")
+    run = create_while_killing_the_first(first, second, SPEC, lambda server: server.http())
+    acknowledged, given_up, errors = run.acknowledged, run.given_up, run.cut
     print(f"{len(acknowledged)} acknowledged, {len(errors)} calls cut or refused by the killed replica "
           f"({len(given_up)} not retried)")
     # A create the killed replica finished whose answer the kill lost is whole (ready, on the agent):

@@ -20,6 +20,14 @@ def k8s(k8s_settings):
         yield client
 
 
+@pytest.fixture
+def core_api(k8s_settings):
+    """The real ``kubernetes`` client on the Pod-API test server, for what another server would do."""
+    from kubernetes import client, config as kube_config
+
+    return client.CoreV1Api(kube_config.new_client_from_config(k8s_settings["kubeconfig"]))
+
+
 def test_a_sandbox_is_a_pod_with_the_agent_inside_and_costs_three_api_calls(k8s, pod_api):
     before = pod_api.pod_calls()
     watches = pod_api.watches
@@ -143,7 +151,7 @@ def test_a_deleted_sandbox_is_gone_at_once_even_before_the_watch_says_so(k8s, po
         pod_api.watch_delay = 0.0
 
 
-def test_a_create_asked_again_after_its_creator_died_finishes_or_starts_over(k8s_settings, pod_api):
+def test_a_create_asked_again_after_its_creator_died_finishes_or_starts_over(k8s_settings, pod_api, core_api):
     """Another server (a replica that died, or this one before a restart) made the pod and
     never saw it ready: a create of that sandbox asked again waits for the pod and adopts it;
     if that server died between the pod and its key Secret, the pod can never start, so it
@@ -153,13 +161,10 @@ def test_a_create_asked_again_after_its_creator_died_finishes_or_starts_over(k8s
     import base64
     import secrets
 
-    from kubernetes import client, config as kube_config
-
     from orchard.backends.loading import load_backend
     from orchard.models import SandboxSpec
 
-    api = client.CoreV1Api(kube_config.new_client_from_config(k8s_settings["kubeconfig"]))
-    namespace = k8s_settings["namespace"]
+    api, namespace = core_api, k8s_settings["namespace"]
 
     async def scenario() -> None:
         backend = load_backend("k8s", k8s_settings)
@@ -184,7 +189,7 @@ def test_a_create_asked_again_after_its_creator_died_finishes_or_starts_over(k8s
     asyncio.run(scenario())
 
 
-def test_a_stale_key_secret_of_an_older_pod_is_replaced_never_trusted(k8s_settings, pod_api):
+def test_a_stale_key_secret_of_an_older_pod_is_replaced_never_trusted(k8s_settings, pod_api, core_api):
     """A key Secret of the sandbox's name owned by another pod (a dead replica's Secret
     request landing after the survivor replaced its key-less pod, or one the garbage collector
     has yet to remove) made the create fail 409. It is deleted, by uid, and a new key made:
@@ -193,13 +198,10 @@ def test_a_stale_key_secret_of_an_older_pod_is_replaced_never_trusted(k8s_settin
     import base64
     import secrets
 
-    from kubernetes import client, config as kube_config
-
     from orchard.backends.loading import load_backend
     from orchard.models import SandboxSpec
 
-    api = client.CoreV1Api(kube_config.new_client_from_config(k8s_settings["kubeconfig"]))
-    namespace = k8s_settings["namespace"]
+    api, namespace = core_api, k8s_settings["namespace"]
 
     async def scenario() -> None:
         backend = load_backend("k8s", k8s_settings)
@@ -231,7 +233,7 @@ def test_a_stale_key_secret_of_an_older_pod_is_replaced_never_trusted(k8s_settin
     asyncio.run(scenario())
 
 
-def test_after_a_stale_key_the_pod_another_replica_made_meanwhile_is_adopted_not_deleted(k8s_settings, pod_api):
+def test_after_a_stale_key_the_pod_another_replica_made_meanwhile_is_adopted_not_deleted(k8s_settings, pod_api, core_api):
     """A stale key Secret makes the create start over; if another replica makes the sandbox's
     pod (with its key) before the new attempt, that attempt's create answers 409 and the pod
     is adopted with the key its Secret holds. It was deleted as key-less: the start-over had
@@ -240,14 +242,11 @@ def test_after_a_stale_key_the_pod_another_replica_made_meanwhile_is_adopted_not
     import base64
     import secrets
 
-    from kubernetes import client, config as kube_config
-
     from orchard.backends.loading import load_backend
     from orchard.models import SandboxSpec
     from orchard_k8s import pods
 
-    api = client.CoreV1Api(kube_config.new_client_from_config(k8s_settings["kubeconfig"]))
-    namespace = k8s_settings["namespace"]
+    api, namespace = core_api, k8s_settings["namespace"]
 
     async def scenario() -> None:
         backend = load_backend("k8s", k8s_settings)
@@ -284,7 +283,7 @@ def test_after_a_stale_key_the_pod_another_replica_made_meanwhile_is_adopted_not
     asyncio.run(scenario())
 
 
-def test_a_sandbox_whose_pod_has_not_started_is_deleted_without_asking_its_agent(k8s_settings, pod_api):
+def test_a_sandbox_whose_pod_has_not_started_is_deleted_without_asking_its_agent(k8s_settings, pod_api, core_api):
     """A create cut by its replica's death and never asked again leaves a pending record; the
     survivor's reconciler drops it by deleting the sandbox. Its pod had not started (here:
     its creator died before the key Secret, so it never will): there is no agent to ask. The
@@ -294,13 +293,10 @@ def test_a_sandbox_whose_pod_has_not_started_is_deleted_without_asking_its_agent
     import asyncio
     import secrets
 
-    from kubernetes import client, config as kube_config
-
     from orchard.backends.loading import load_backend
     from orchard.models import SandboxSpec
 
-    api = client.CoreV1Api(kube_config.new_client_from_config(k8s_settings["kubeconfig"]))
-    namespace = k8s_settings["namespace"]
+    api, namespace = core_api, k8s_settings["namespace"]
 
     async def scenario() -> None:
         backend = load_backend("k8s", k8s_settings)

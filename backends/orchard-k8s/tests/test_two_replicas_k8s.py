@@ -18,10 +18,8 @@ from __future__ import annotations
 import secrets
 import subprocess
 import sys
-import threading
 import time
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -142,52 +140,9 @@ def test_200_sandboxes_through_two_k8s_replicas_one_killed(server_factory, datab
     first, second = replicas(server_factory, database, k8s_settings, namespace)
     local.wait_until(lambda: ROUND in first.http().get("/metrics").text, WAIT,
                      "the first replica's reconciler to run a round (it leads)")
-    count, kill_after = 200, 70
-    acknowledged: dict[str, str] = {}  # sandbox id -> the replica that answered
-    outcomes_on_killed: dict[str, str] = {}
-    given_up: set[str] = set()
-    lock = threading.Lock()
-    killed = threading.Event()
-
-    def create(index: int) -> None:
-        sandbox_id = f"two-replicas-{index:03d}"
-        body = {**SPEC, "sandbox_id": sandbox_id}
-        server = first if index % 2 == 0 else second
-        try:
-            with http(server) as client:
-                answer = client.post("/sandboxes", json=body)
-        except httpx.TransportError as exc:  # refused, reset or cut: the client may retry anywhere
-            assert server is first and killed.is_set(), f"{sandbox_id} on {server.url}: {exc!r}"
-            with lock:
-                outcomes_on_killed[sandbox_id] = f"connection error: {type(exc).__name__}"
-            if index % 4 == 2:  # this client gives up: its sandbox (and pod) must not linger half made
-                with lock:
-                    given_up.add(sandbox_id)
-                return
-            with http(second) as client:
-                answer = client.post("/sandboxes", json=body)  # the same id: idempotent
-            server = second
-        else:
-            if server is first:
-                with lock:
-                    outcomes_on_killed[sandbox_id] = "completed"
-        assert answer.status_code == 200, (sandbox_id, answer.status_code, answer.text, tracebacks(first, second))
-        assert answer.json()["status"] == "ready", answer.text
-        with lock:
-            acknowledged[sandbox_id] = server.url
-            if len(acknowledged) == kill_after and not killed.is_set():
-                killed.set()
-                first.kill9()  # mid-way: creates are in flight on it
-
-    with ThreadPoolExecutor(16) as pool:
-        for future in [pool.submit(create, index) for index in range(count)]:
-            future.result()
+    run = local.create_while_killing_the_first(first, second, SPEC, http, diagnose=lambda: tracebacks(first, second))
     created_s = time.monotonic() - started
-
-    assert killed.is_set()
-    assert len(acknowledged) + len(given_up) == count
-    errors = sorted(sid for sid, outcome in outcomes_on_killed.items() if outcome != "completed")
-    assert errors, "no call to the killed replica was cut: the kill was not mid-way"
+    acknowledged, given_up, errors = run.acknowledged, run.given_up, run.cut
     by_first = sorted(sid for sid, url in acknowledged.items() if url == first.url)
     print(f"{len(acknowledged)} acknowledged ({len(by_first)} by the killed replica before it died), "
           f"{len(errors)} calls cut or refused by the killed replica ({len(given_up)} not retried)")
