@@ -136,6 +136,9 @@ class JobRunner:
             record.finished_at = time.monotonic()
             record.done.set()
             record.release_spools()
+            spawner = runtime.spawner(sandbox)
+            if spawner is not None:  # the next command's process, forked after this answer is on its way
+                asyncio.get_running_loop().call_soon(spawner.prepare)
 
     def _fail(self, record: JobRecord, error_type: str, message: str) -> None:
         job = record.job
@@ -146,7 +149,7 @@ class JobRunner:
         placement = sandbox.placement
         assert placement is not None
         request, job = record.request, record.job
-        job_cgroup = sandbox.cgroup.job_dir() if sandbox.cgroup is not None else None
+        job_cgroup: Optional[Path] = None
         command = shell_argv(placement.shell, request.command_text(), request.login_shell)
         mark = new_mark()
         env = {**placement.env, **request.env, MARK: mark}
@@ -163,8 +166,8 @@ class JobRunner:
             if spawner is not None:  # forked by the sandbox's holder: no exec, no setns
                 try:
                     spawned = await spawner.spawn(
-                        command, env, cwd, (stdin_fd if stdin_fd >= 0 else _dev_null(), record.stdout.fd, record.stderr.fd),
-                        [str(job_cgroup / "cgroup.procs")] if job_cgroup is not None else [])
+                        command, env, cwd, (stdin_fd if stdin_fd >= 0 else _dev_null(), record.stdout.fd, record.stderr.fd))
+                    job_cgroup = spawned.cgroup
                 except SpawnerUnavailable as exc:
                     log.warning("sandbox %s: %s; running the command through orchard-enter", sandbox.sandbox_id, exc)
                     for spool in (record.stdout, record.stderr):  # drop what a failed start wrote
@@ -175,6 +178,7 @@ class JobRunner:
                 record.pid = spawned.pid
                 exited, kill = spawned.exited, spawned.kill
             else:
+                job_cgroup = sandbox.cgroup.job_dir() if sandbox.cgroup is not None else None
                 record.pid = self._spawn_helper(runtime.command(sandbox, command, cwd, job_cgroup), env, record, stdin_fd)
                 exited, kill = self.reaper.wait(record.pid), _killpg(record.pid)
             job.status, job.started_at = "running", time.time()

@@ -40,6 +40,18 @@ def load_or_create_token(settings: AgentSettings) -> str:
     return token
 
 
+def event_loop() -> str:
+    """uvloop where the reaper can watch children through pidfds (uvloop keeps SIGCHLD for
+    itself; see reaper.py), else asyncio's."""
+    try:
+        import uvloop  # noqa: F401
+
+        os.close(os.pidfd_open(os.getpid()))
+    except (ImportError, AttributeError, OSError):
+        return "asyncio"
+    return "uvloop"
+
+
 def serve(settings: AgentSettings, uds: Optional[Path] = None, host: str = "127.0.0.1", port: int = 0,
           log_level: str = "warning", graceful_shutdown_seconds: Optional[float] = None,
           fd: Optional[int] = None) -> None:
@@ -59,9 +71,8 @@ def serve(settings: AgentSettings, uds: Optional[Path] = None, host: str = "127.
         uds = settings.agent_dir / "agent.sock"
     if uds is not None and uds.exists():
         uds.unlink()
-    # loop="asyncio": uvloop reserves SIGCHLD, which the reaper needs.
     config = uvicorn.Config(app, uds=str(uds) if uds else None, host=host, port=port, log_level=log_level,
-                            access_log=False, lifespan="on", loop="asyncio", timeout_keep_alive=60, backlog=4096,
+                            access_log=False, lifespan="on", loop=event_loop(), timeout_keep_alive=60, backlog=4096,
                             timeout_graceful_shutdown=graceful_shutdown_seconds, fd=fd,
                             limit_concurrency=settings.max_connections)
     server = uvicorn.Server(config)

@@ -1,5 +1,10 @@
 """Commands forked by the sandbox's holder instead of one ``orchard-enter`` exec each.
 
+The next command's process is forked ahead (``prepare``, after each command ends): the
+holder forks a child, the child says who it is and waits, and the agent puts it in the
+next job's cgroup, all off the critical path. Starting a command is then one message to
+that child (the command, its environment and stdio) and its one-byte acknowledgement.
+
 The holder (``orchard-enter --hold --spawner FD``, see ``runtimes/enter_spawner.c``) is
 PID 1 of the sandbox, already in its root, with its uid, no capabilities and its seccomp
 filter. The agent keeps the other end of a socket pair made before the holder started, so
@@ -14,7 +19,9 @@ Everything the holder says is a claim of the sandbox about itself and is checked
   is also seen through the pidfd, so a report that never comes fails the job after a grace
   period, typed, never a hang;
 - anything that goes wrong before the command starts (no answer in time, a malformed
-  answer, a pid outside the sandbox) makes the caller run it the old way (``orchard-enter``).
+  answer, a pid outside the sandbox, a prepared child that died or got no acknowledgement
+  out) makes the caller run it the old way (``orchard-enter``); a child the sandbox killed
+  while it waited is replaced once first.
 """
 
 from __future__ import annotations
@@ -27,12 +34,17 @@ import signal
 import socket
 import struct
 from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Optional
+
+if TYPE_CHECKING:
+    from orchard.agent.cgroups import SandboxCgroup
 
 log = logging.getLogger(__name__)
 
 SPAWNER_FD = 5  # the holder's end, as the holder sees it (``--spawner 5``)
 PAYLOAD_MAX = 60 * 1024  # enter_spawner.c's SPAWN_PAYLOAD_MAX: longer requests go the old way
-START_TIMEOUT = 2.0  # seconds for the holder to fork and the command to say who it is
+START_TIMEOUT = 2.0  # seconds for the holder to fork and the child to say who it is, or to take its command
 REPORT_GRACE = 2.0  # seconds between the command's end (pidfd) and the holder's report
 _UCRED = struct.Struct("iII")
 
@@ -51,6 +63,7 @@ class Spawned:
     pidfd: int  # pins the process: signals through it never reach a reused pid
     exited: "asyncio.Future[int]"
     loop: asyncio.AbstractEventLoop
+    cgroup: Optional[Path] = None  # the job's cgroup (v1: a child of the pids group) it was put in
 
     def alive(self) -> bool:
         try:
@@ -88,16 +101,42 @@ def socket_pair() -> tuple[socket.socket, socket.socket]:
     return socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
 
 
+@dataclass
+class _Prepared:
+    """A child forked ahead of its command: verified, in its job's cgroup, waiting on ``ctl``."""
+
+    spawned: Spawned
+    ctl: socket.socket
+
+    def discard(self) -> None:
+        self.spawned.kill()
+        self.spawned.close()
+        self.ctl.close()
+
+
+def _encoded(argv: list[str], env: dict[str, str], cwd: str) -> bytes:
+    strings = [cwd, str(len(argv)), *argv, *(f"{k}={v}" for k, v in env.items())]
+    if any("\0" in s for s in strings):
+        raise SpawnerUnavailable("a NUL byte in the command or its environment")
+    payload = b"".join(s.encode(errors="surrogateescape") + b"\0" for s in strings)
+    if len(payload) > PAYLOAD_MAX:
+        raise SpawnerUnavailable("request too long for the spawner")
+    return payload
+
+
 class SpawnerClient:
     """The agent's end of one holder's spawner socket."""
 
-    def __init__(self, sock: socket.socket, holder_pid: int) -> None:
+    def __init__(self, sock: socket.socket, holder_pid: int, cgroup: "Optional[SandboxCgroup]" = None) -> None:
         self.sock = sock
         self.sock.setblocking(False)
+        self.holder_pid = holder_pid
         self.namespace = pid_namespace(holder_pid)  # the sandbox's: the holder is its PID 1
+        self.cgroup = cgroup
         self.alive = True
         self._next_id = 0
         self._pending: dict[int, asyncio.Future[int]] = {}
+        self._next: Optional[asyncio.Task[_Prepared]] = None
         self._loop = asyncio.get_running_loop()
         self._loop.add_reader(self.sock.fileno(), self._on_readable)
 
@@ -106,9 +145,13 @@ class SpawnerClient:
             self._loop.remove_reader(self.sock.fileno())
             self.alive = False
         self.sock.close()
+        if self._next is not None:
+            self._forget(self._next)
+            self._next = None
         for future in self._pending.values():
             if not future.done():
                 future.set_exception(SpawnerLost("the sandbox's holder closed its spawner socket"))
+                future.exception()  # a waiting prepared process's end is nobody's news; a command's is awaited
         self._pending.clear()
 
     def _on_readable(self) -> None:
@@ -143,20 +186,25 @@ class SpawnerClient:
         else:
             future.set_exception(SpawnerLost(f"the holder reported an impossible exit code {value}"))
 
-    async def spawn(self, argv: list[str], env: dict[str, str], cwd: str, stdio: tuple[int, int, int],
-                    cgroup_procs: list[str]) -> Spawned:
-        """Start ``argv``; it is in ``cgroup_procs`` before it execs. Raises SpawnerUnavailable
-        when it did not start (nothing of it runs then)."""
-        if not self.alive:
-            raise SpawnerUnavailable("the spawner is gone")
-        strings = [cwd, str(len(argv)), *argv, *(f"{k}={v}" for k, v in env.items())]
-        if any("\0" in s for s in strings):
-            raise SpawnerUnavailable("a NUL byte in the command or its environment")
+    # -- preparing the next command's process ---------------------------------------
+    def prepare(self) -> None:
+        """Fork the next command's process now (a no-op while one is ready or on its way)."""
+        if self.alive and self._next is None:
+            self._next = self._loop.create_task(self._prepare())
+
+    def _forget(self, task: "asyncio.Task[_Prepared]") -> None:
+        """Drop a preparation nobody will use: cancel it, or discard the child it made."""
+        def discard(done: "asyncio.Task[_Prepared]") -> None:
+            if not done.cancelled() and done.exception() is None:
+                done.result().discard()
+
+        task.cancel()
+        task.add_done_callback(discard)
+
+    async def _prepare(self) -> _Prepared:
+        job_cgroup = self.cgroup.job_dir() if self.cgroup is not None else None
         self._next_id += 1
         request_id = self._next_id
-        payload = b"".join(s.encode(errors="surrogateescape") + b"\0" for s in [str(request_id), *strings])
-        if len(payload) > PAYLOAD_MAX:
-            raise SpawnerUnavailable("request too long for the spawner")
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         exited: asyncio.Future[int] = self._loop.create_future()
         try:
@@ -164,23 +212,23 @@ class SpawnerClient:
             ours.setblocking(False)
             self._pending[request_id] = exited
             try:
-                self.sock.sendmsg([payload], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
-                                               array.array("i", [*stdio, theirs.fileno()]))])
+                self.sock.sendmsg([b"%d" % request_id], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
+                                                          array.array("i", [theirs.fileno()]))])
             except OSError as exc:  # a full buffer (the holder stopped reading), or it is gone
                 raise SpawnerUnavailable(f"could not reach the spawner: {exc}") from None
             finally:
                 theirs.close()
             pid = await self._hello(ours, exited)
             spawned = self._verified(pid, exited)
+            spawned.cgroup = job_cgroup
             try:
-                for procs in cgroup_procs:
-                    fd = os.open(procs, os.O_WRONLY | os.O_CLOEXEC)
+                if job_cgroup is not None:
+                    fd = os.open(job_cgroup / "cgroup.procs", os.O_WRONLY | os.O_CLOEXEC)
                     try:
                         os.write(fd, b"%d\n" % pid)
                     finally:
                         os.close(fd)
                 signal.pidfd_send_signal(spawned.pidfd, 0)  # still the same process
-                ours.send(b"g")
             except OSError as exc:
                 spawned.kill()
                 spawned.close()
@@ -189,10 +237,78 @@ class SpawnerClient:
             self._pending.pop(request_id, None)
             if not exited.done():
                 exited.cancel()
-            raise
-        finally:
+            elif not exited.cancelled():
+                exited.exception()  # its end is told by the exception raised here
             ours.close()
+            raise
         self._watch_end(spawned)
+        return _Prepared(spawned, ours)
+
+    async def _take(self) -> _Prepared:
+        """The prepared child, or a new one; one the sandbox killed while it waited is replaced once."""
+        for _ in range(2):
+            self.prepare()
+            if self._next is None:
+                raise SpawnerUnavailable("the spawner is gone")
+            task = self._next
+            try:
+                prepared = await asyncio.shield(task)
+            except asyncio.CancelledError:
+                if not task.done():
+                    self._next = None
+                    self._forget(task)
+                raise
+            finally:
+                if self._next is task and task.done():
+                    self._next = None
+            if prepared.spawned.exited.done() or not prepared.spawned.alive():
+                prepared.discard()
+                continue
+            if self._holder_stopped():
+                prepared.discard()
+                self._unhealthy("the holder is stopped (from outside: the sandbox cannot)")
+                raise SpawnerUnavailable("the holder is stopped")
+            return prepared
+        raise SpawnerUnavailable("the prepared process died before its command, twice")
+
+    def _holder_stopped(self) -> bool:
+        """A stopped holder would never report how the command ended."""
+        try:
+            with open(f"/proc/{self.holder_pid}/stat", "rb") as handle:
+                return handle.read().rpartition(b")")[2][1:2] in (b"T", b"t")
+        except OSError:
+            return False
+
+    # -- starting a command ---------------------------------------------------------
+    async def spawn(self, argv: list[str], env: dict[str, str], cwd: str, stdio: tuple[int, int, int]) -> Spawned:
+        """Start ``argv`` in a prepared process (already in its job's cgroup: ``Spawned.cgroup``).
+        Raises SpawnerUnavailable when it did not start (nothing of it runs then)."""
+        payload = _encoded(argv, env, cwd)
+        prepared = await self._take()
+        ctl, spawned = prepared.ctl, prepared.spawned
+        try:
+            try:
+                ctl.sendmsg([payload], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", stdio))])
+            except OSError as exc:
+                raise SpawnerUnavailable(f"the prepared process is gone: {exc}") from None
+            taken = self._loop.create_future()
+            self._loop.add_reader(ctl.fileno(), lambda: taken.done() or taken.set_result(None))
+            try:
+                await asyncio.wait([taken, spawned.exited], timeout=START_TIMEOUT, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                self._loop.remove_reader(ctl.fileno())
+            try:
+                acknowledged = taken.done() and ctl.recv(1) == b"x"
+            except OSError:
+                acknowledged = False
+            if not acknowledged:
+                if not taken.done() and not spawned.exited.done():
+                    self._unhealthy("a prepared process did not take its command in time")
+                raise SpawnerUnavailable("the prepared process did not take its command")
+        except BaseException:
+            prepared.discard()
+            raise
+        ctl.close()
         return spawned
 
     async def _hello(self, ours: socket.socket, exited: "asyncio.Future[int]") -> int:

@@ -1,8 +1,9 @@
 """The holder as a spawner (``spawner: true``): commands forked by the sandbox's PID 1.
 
 Same process state as through orchard-enter; the sandbox cannot stop, signal, ptrace or
-reach it; the agent believes nothing it says without checking; a stopped spawner degrades
-to orchard-enter; timeouts still kill the whole tree; no descriptor leaks.
+reach it, nor the process it forks ahead for the next command; the agent believes nothing
+it says without checking; a stopped spawner degrades to orchard-enter; timeouts still kill
+the whole tree; no descriptor leaks.
 """
 
 from __future__ import annotations
@@ -190,50 +191,102 @@ def test_a_holder_killed_mid_command_is_a_lost_sandbox(spawner_client):
         handle.delete()
 
 
+# -- the process forked ahead of the next command --------------------------------------
+
+ATTACK = r"""
+import ctypes, os, time
+time.sleep(0.5)  # the command that started us has ended: the next command's process waits now
+libc, me, lines = ctypes.CDLL(None, use_errno=True), os.getpid(), []
+for name in os.listdir("/proc"):
+    if name.isdigit() and int(name) not in (1, me):
+        pid = int(name)
+        attach = libc.ptrace(16, pid, 0, 0)
+        errno = ctypes.get_errno()
+        pidfd = libc.syscall(434, pid, 0)
+        taken = [libc.syscall(438, pidfd, fd, 0) for fd in range(8)] if pidfd >= 0 else []
+        lines.append(f"{pid} attach {attach} {errno} pidfd {pidfd} getfd {max(taken, default=-1)}")
+open("/tmp/attack.out", "w").write("\n".join(lines) + "\nend\n")
+"""
+
+
+def test_the_waiting_process_cannot_be_ptraced_or_robbed_of_its_socket(sandbox):
+    sandbox.upload("/tmp/attack.py", ATTACK)
+    assert sandbox.exec("python3 /tmp/attack.py >/dev/null 2>&1 &").exit_code == 0
+    deadline = time.monotonic() + 10
+    while "end" not in (report := sandbox.exec("cat /tmp/attack.out 2>/dev/null").stdout) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    lines = [line for line in report.splitlines() if line != "end"]
+    assert lines, report  # it found the waiting process
+    for line in lines:
+        fields = line.split()
+        assert fields[2:4] == ["-1", "1"], line  # ptrace attach: EPERM
+        assert fields[-1] == "-1", line  # none of its descriptors (its command socket) could be taken
+    assert ppid(sandbox) == "1"  # and it still runs the next command
+
+
+def test_a_waiting_process_the_sandbox_killed_is_replaced(sandbox):
+    assert sandbox.exec("true").exit_code == 0
+    assert sandbox.exec("(sleep 0.3; kill -KILL -1) >/dev/null 2>&1 &").exit_code == 0
+    time.sleep(1)
+    job = sandbox.exec("echo $PPID; echo ok")
+    assert (job.exit_code, job.stdout) == (0, "1\nok\n"), job  # run as asked, by a fresh one
+    assert ppid(sandbox) == "1"
+
+
+def test_a_waiting_process_the_sandbox_stopped_costs_one_wait_not_a_wrong_answer(sandbox):
+    assert sandbox.exec("(sleep 0.3; kill -STOP -1) >/dev/null 2>&1 &").exit_code == 0
+    time.sleep(1)
+    started = time.monotonic()
+    job = sandbox.exec("echo $PPID; echo ok")
+    assert (job.exit_code, job.stdout) == (0, "0\nok\n"), job  # through orchard-enter, once it gave up on it
+    assert time.monotonic() - started < 10
+    assert sandbox.exec("echo still").stdout == "still\n"
+
+
 # -- the agent believes nothing the holder says ----------------------------------------
 
 
 def _fake_holder(sock: socket.socket, forge: str) -> None:
-    """Answer one request as a hijacked holder would: with this (host) process's credentials,
-    or with an impossible report."""
-    data, ancdata, _, _ = sock.recvmsg(70_000, socket.CMSG_SPACE(4 * 4))
+    """Answer one request as a hijacked holder would: with a child claiming this (host)
+    process's credentials, or with an impossible report."""
+    data, ancdata, _, _ = sock.recvmsg(64, socket.CMSG_SPACE(4))
     fds = array.array("i")
     for level, kind, value in ancdata:
         fds.frombytes(value[:len(value) - len(value) % 4])
-    request_id = data.split(b"\0")[0]
-    ctl = socket.socket(fileno=fds[3])
-    for fd in fds[:3]:
-        os.close(fd)
+    ctl = socket.socket(fileno=fds[0])
     if forge == "pid":
         ctl.sendmsg([b"p"], [(socket.SOL_SOCKET, socket.SCM_CREDENTIALS, struct.pack("iII", os.getpid(), 0, 0))])
-        ctl.recv(1)  # never gets "g"
+        ctl.settimeout(5)
+        try:
+            ctl.recv(1)  # never gets a command
+        except OSError:
+            pass
     elif forge == "report":
         ctl.close()
-        sock.send(b"exit " + request_id + b" 99999")
+        sock.send(b"exit " + data + b" 99999")
     ctl.close()
 
 
 @pytest.mark.parametrize("forge", ["pid", "report"])
 def test_a_hijacked_holder_cannot_make_the_agent_act_outside_the_sandbox(tmp_path, forge):
-    cgroup_procs = tmp_path / "cgroup.procs"
-    cgroup_procs.write_text("")
+    from orchard.agent.cgroups import SandboxCgroup
 
     async def main() -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        client = SpawnerClient(ours, os.getpid())
+        client = SpawnerClient(ours, os.getpid(), SandboxCgroup(dirs={"pids": tmp_path}, job_controller="pids"))
         client.namespace = (0, 0)  # the "sandbox" is a PID namespace this process is not in
         holder = threading.Thread(target=_fake_holder, args=(theirs, forge))
         holder.start()
         stdio = (os.open("/dev/null", os.O_RDONLY),) * 3
         try:
             with pytest.raises((SpawnerUnavailable, SpawnerLost)):
-                await client.spawn(["true"], {}, "/", stdio, [str(cgroup_procs)])
+                await client.spawn(["true"], {}, "/", stdio)
         finally:
             os.close(stdio[0])
+            client.close()
             await asyncio.to_thread(holder.join, 5)
             theirs.close()
-        assert not client.alive or forge == "report"
-        client.close()
 
     asyncio.run(main())
-    assert cgroup_procs.read_text() == ""  # nothing was moved, nothing signalled
+    procs = tmp_path / "job-0" / "cgroup.procs"
+    assert not procs.exists() or procs.read_text() == ""  # nothing was moved, nothing signalled

@@ -8,16 +8,18 @@
  * namespace, and being non-dumpable it cannot be ptraced or have its descriptors taken by
  * the sandbox's own processes (same uid, no capabilities).
  *
- * One request = one SOCK_SEQPACKET message on FD:
- *   payload  "ID\0CWD\0ARGC\0ARG0\0...\0ENV0\0ENV1\0..."  (NUL-terminated strings)
- *   SCM_RIGHTS  stdin, stdout, stderr and CTL, a socket of a pair the agent made for this
- *               command alone.
- * The child sends its own credentials on CTL (SCM_CREDENTIALS: the kernel checks the pid
- * and translates it to the agent's PID namespace, so the agent learns the host pid without
- * believing us), waits for one byte "g" (the agent has put it in the job's cgroup), then
- * becomes the command: own session, stdio, cwd, every other descriptor closed, exec.
+ * One request = one SOCK_SEQPACKET message on FD: the payload "ID" and, by SCM_RIGHTS,
+ * CTL, one socket of a pair the agent made for this command alone. The holder forks a
+ * child ahead of any command (prepared_child): the child sends its own credentials on CTL
+ * (SCM_CREDENTIALS: the kernel checks the pid and translates it to the agent's PID
+ * namespace, so the agent learns the host pid without believing us) and waits, while the
+ * agent puts it in the next job's cgroup. The command comes later on CTL: the payload
+ * "CWD\0ARGC\0ARG0\0...\0ENV0\0ENV1\0..." (NUL-terminated strings) with stdin, stdout and
+ * stderr by SCM_RIGHTS; the child answers "x" and becomes the command: own session, stdio,
+ * cwd, every other descriptor closed, exec. So a command's start costs one message to a
+ * process that is already placed, not a fork and two round trips.
  * The holder answers on FD with "exit ID CODE" (CODE: status, or 128 + signal) when it
- * reaps the command, or "fail ID ERRNO" when it could not fork. The agent treats both as
+ * reaps the child, or "fail ID ERRNO" when it could not fork. The agent treats both as
  * claims of the sandbox about itself: a number, never a pid to act on.
  */
 #include <sys/uio.h>
@@ -61,27 +63,68 @@ static void spawner_reaped(int sock, pid_t pid, int status) {
     }
 }
 
-/* In the child, until exec: errors go to the command's own stderr, as orchard-enter's do. */
-static void spawned_child(int fds[4], const char *cwd, char **argv, char **envp) {
+/* Split "CWD\0ARGC\0ARG0\0...\0ENV0\0..." of n bytes (NUL-terminated strings) into cwd,
+   argv and envp in place; 0 when it is malformed. `args` holds 2 * SPAWN_MAX_ARGS + 4. */
+static int parse_command(char *payload, ssize_t n, char **args, char **cwd, char ***argv, char ***envp) {
+    payload[n] = 0;
+    int n_strings = 0;
+    char *p = payload;
+    for (; p < payload + n && n_strings < 2 * SPAWN_MAX_ARGS + 1; p += strlen(p) + 1)
+        args[n_strings++] = p;
+    long argc = n_strings >= 2 ? strtol(args[1], NULL, 10) : 0;
+    if (argc < 1 || argc > SPAWN_MAX_ARGS || 2 + argc > n_strings || p < payload + n) return 0;
+    /* argv ends with a NULL, then the env strings shifted by one, then a NULL. */
+    int n_env = n_strings - 2 - (int)argc;
+    *cwd = args[0];
+    *argv = args + 2;
+    *envp = args + 2 + argc + 1;
+    memmove(*envp, args + 2 + argc, (size_t)n_env * sizeof(char *));
+    (*envp)[n_env] = NULL;
+    (*argv)[argc] = NULL;
+    return 1;
+}
+
+/* A child forked ahead of its command: it says who it is, waits (not dumpable: the
+   sandbox's processes of the same uid cannot ptrace it or take its CTL socket) while the
+   agent puts it in the next job's cgroup, then gets the command with its stdio on CTL,
+   acknowledges it with "x" and becomes it. Until its stdio arrives its errors go to the
+   holder's log; after, to the command's own stderr, as orchard-enter's do. */
+static void prepared_child(int ctl) {
+    static char payload[SPAWN_PAYLOAD_MAX + 1];
+    static char *args[2 * SPAWN_MAX_ARGS + 4];
     sigset_t none;
     sigemptyset(&none);
     sigprocmask(SIG_SETMASK, &none, NULL);
-    for (int fd = 0; fd < 3; fd++)
-        if (dup2(fds[fd], fd) < 0) _exit(125);
     if (setsid() < 0) die("setsid", NULL);
-    /* The holder's own descriptors are closed (spawner_request): from here on this process
-       holds only what the command gets (its stdio) and its CTL socket, so it may be dumpable
-       (its /proc/self files then belong to it: oom_score_adj below), as exec makes it anyway. */
+    /* Dumpable for a moment, so /proc/self/oom_score_adj is ours to write. */
     if (prctl(PR_SET_DUMPABLE, 1, 0, 0, 0) < 0) die("dumpable", NULL);
     int adj = open("/proc/self/oom_score_adj", O_WRONLY | O_CLOEXEC);
     if (adj < 0 || write(adj, "1000", 4) != 4) die("oom_score_adj", NULL);
     close(adj);
+    if (prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) < 0) die("dumpable", NULL);
     /* Tell the agent who we are: the kernel vouches for the pid (no capabilities here). */
     struct ucred self = {.pid = getpid(), .uid = getuid(), .gid = getgid()};
-    char go = 0;
-    if (send_control(fds[3], "p", 1, SCM_CREDENTIALS, &self, sizeof self) != 1) _exit(125);
-    if (recv(fds[3], &go, 1, 0) != 1 || go != 'g') _exit(125); /* the agent gave up on us */
+    if (send_control(ctl, "p", 1, SCM_CREDENTIALS, &self, sizeof self) != 1) _exit(125);
+    union { char buf[CMSG_SPACE(3 * sizeof(int))]; struct cmsghdr align; } control;
+    struct iovec iov = {.iov_base = payload, .iov_len = SPAWN_PAYLOAD_MAX};
+    struct msghdr msg = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = control.buf,
+                         .msg_controllen = sizeof control.buf};
+    ssize_t n;
+    do n = recvmsg(ctl, &msg, MSG_CMSG_CLOEXEC); while (n < 0 && errno == EINTR);
+    if (n <= 0) _exit(125); /* the agent gave up on us */
+    int fds[3] = {-1, -1, -1}, n_fds = 0;
+    for (struct cmsghdr *c = CMSG_FIRSTHDR(&msg); c; c = CMSG_NXTHDR(&msg, c)) {
+        if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
+        int count = (int)((c->cmsg_len - CMSG_LEN(0)) / sizeof(int));
+        for (int k = 0; k < count && n_fds < 3; k++) memcpy(&fds[n_fds++], CMSG_DATA(c) + k * sizeof(int), sizeof(int));
+    }
+    char *cwd, **argv, **envp;
+    if (n_fds != 3 || (msg.msg_flags & (MSG_TRUNC | MSG_CTRUNC)) || !parse_command(payload, n, args, &cwd, &argv, &envp))
+        _exit(125); /* malformed: the agent sees CTL close without "x" and runs it the other way */
+    for (int fd = 0; fd < 3; fd++)
+        if (dup2(fds[fd], fd) < 0) _exit(125);
     if (chdir(cwd) < 0) die("chdir", cwd);
+    if (send(ctl, "x", 1, MSG_NOSIGNAL) != 1) _exit(125);
     if (syscall(SYS_close_range, 3U, ~0U, 0U) < 0)
         for (int fd = 3; fd < 1024; fd++) close(fd);
     environ = envp;
@@ -90,59 +133,47 @@ static void spawned_child(int fds[4], const char *cwd, char **argv, char **envp)
     _exit(errno == ENOENT ? 127 : 126);
 }
 
-/* Returns 0 when the agent closed its end (no more requests). */
+/* One request: fork a prepared child (prepared_child). Returns 0 when the agent closed
+   its end (no more requests). */
 static int spawner_request(int sock, int children, int lifeline) {
-    static char payload[SPAWN_PAYLOAD_MAX + 1];
-    static char *args[2 * SPAWN_MAX_ARGS + 4];
-    union { char buf[CMSG_SPACE(4 * sizeof(int))]; struct cmsghdr align; } control;
-    struct iovec iov = {.iov_base = payload, .iov_len = SPAWN_PAYLOAD_MAX};
+    char id_text[24];
+    union { char buf[CMSG_SPACE(sizeof(int))]; struct cmsghdr align; } control;
+    struct iovec iov = {.iov_base = id_text, .iov_len = sizeof id_text - 1};
     struct msghdr msg = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = control.buf,
                          .msg_controllen = sizeof control.buf};
     ssize_t n = recvmsg(sock, &msg, MSG_CMSG_CLOEXEC | MSG_DONTWAIT);
     if (n == 0) return 0;
     if (n < 0) return errno == EAGAIN || errno == EINTR;
-    int fds[4] = {-1, -1, -1, -1}, n_fds = 0;
+    int ctl = -1, n_fds = 0;
     for (struct cmsghdr *c = CMSG_FIRSTHDR(&msg); c; c = CMSG_NXTHDR(&msg, c)) {
         if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
         int count = (int)((c->cmsg_len - CMSG_LEN(0)) / sizeof(int));
         for (int k = 0; k < count; k++) {
             int fd;
             memcpy(&fd, CMSG_DATA(c) + k * sizeof(int), sizeof fd);
-            if (n_fds < 4) fds[n_fds++] = fd;
+            if (n_fds++ == 0) ctl = fd;
             else close(fd);
         }
     }
-    /* Parse: ID, CWD, ARGC, ARGV..., ENV... (a malformed request is dropped: the agent
-       then sees its CTL socket close and runs the command the other way). */
-    payload[n] = 0;
-    int n_strings = 0;
-    char *p = payload;
-    for (; p < payload + n && n_strings < 2 * SPAWN_MAX_ARGS + 1; p += strlen(p) + 1)
-        args[n_strings++] = p;
-    long argc = n_strings >= 3 ? strtol(args[2], NULL, 10) : 0;
+    id_text[n] = 0;
+    char *end = NULL;
+    unsigned long id = strtoul(id_text, &end, 10);
     int slot = -1;
     for (int k = 0; k < SPAWN_MAX_RUNNING && slot < 0; k++)
         if (spawned[k].pid == 0) slot = k;
-    if (n_fds != 4 || (msg.msg_flags & (MSG_TRUNC | MSG_CTRUNC)) || argc < 1 || argc > SPAWN_MAX_ARGS ||
-        3 + argc > n_strings || p < payload + n || slot < 0) {
-        for (int k = 0; k < n_fds; k++) close(fds[k]);
+    /* A malformed request is dropped: the agent sees its CTL socket close. */
+    if (n_fds != 1 || (msg.msg_flags & (MSG_TRUNC | MSG_CTRUNC)) || end == id_text || *end || slot < 0) {
+        if (ctl >= 0) close(ctl);
         return 1;
     }
-    unsigned long id = strtoul(args[0], NULL, 10);
-    char **argv = args + 3, **envp = args + 3 + argc + 1;
-    /* argv ends with a NULL, then the env strings shifted by one, then a NULL. */
-    int n_env = n_strings - 3 - (int)argc;
-    memmove(envp, args + 3 + argc, (size_t)n_env * sizeof(char *));
-    envp[n_env] = NULL;
-    argv[argc] = NULL;
     pid_t child = fork();
     if (child == 0) {
         close(sock);
         close(children);
         if (lifeline >= 0) close(lifeline);
-        spawned_child(fds, args[1], argv, envp);
+        prepared_child(ctl);
     }
-    for (int k = 0; k < 4; k++) close(fds[k]);
+    close(ctl);
     if (child < 0) {
         spawner_say(sock, "fail", id, errno);
         return 1;
