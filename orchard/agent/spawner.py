@@ -130,8 +130,8 @@ class SpawnerClient:
     def __init__(self, sock: socket.socket, holder_pid: int, cgroup: "Optional[SandboxCgroup]" = None) -> None:
         self.sock = sock
         self.sock.setblocking(False)
-        self.holder_pid = holder_pid
         self.namespace = pid_namespace(holder_pid)  # the sandbox's: the holder is its PID 1
+        self._holder_stat = os.open(f"/proc/{holder_pid}/stat", os.O_RDONLY | os.O_CLOEXEC)  # re-read per command
         self.cgroup = cgroup
         self.alive = True
         self._next_id = 0
@@ -145,6 +145,9 @@ class SpawnerClient:
             self._loop.remove_reader(self.sock.fileno())
             self.alive = False
         self.sock.close()
+        if self._holder_stat >= 0:
+            os.close(self._holder_stat)
+            self._holder_stat = -1
         if self._next is not None:
             self._forget(self._next)
             self._next = None
@@ -274,9 +277,8 @@ class SpawnerClient:
     def _holder_stopped(self) -> bool:
         """A stopped holder would never report how the command ended."""
         try:
-            with open(f"/proc/{self.holder_pid}/stat", "rb") as handle:
-                return handle.read().rpartition(b")")[2][1:2] in (b"T", b"t")
-        except OSError:
+            return os.pread(self._holder_stat, 512, 0).rpartition(b")")[2][1:2] in (b"T", b"t")
+        except OSError:  # gone: the command's end tells
             return False
 
     # -- starting a command ---------------------------------------------------------
