@@ -257,6 +257,10 @@ class SpawnerClient:
             try:
                 prepared = await asyncio.shield(task)
             except asyncio.CancelledError:
+                current = asyncio.current_task()
+                if task.cancelled() and (current is None or not current.cancelling()):
+                    # close() dropped the preparation (the holder went away): not our cancellation
+                    raise SpawnerUnavailable("the spawner closed while preparing the command's process") from None
                 if not task.done():
                     self._next = None
                     self._forget(task)

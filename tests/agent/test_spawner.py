@@ -290,3 +290,23 @@ def test_a_hijacked_holder_cannot_make_the_agent_act_outside_the_sandbox(tmp_pat
     asyncio.run(main())
     procs = tmp_path / "job-0" / "cgroup.procs"
     assert not procs.exists() or procs.read_text() == ""  # nothing was moved, nothing signalled
+
+
+def test_a_holder_gone_while_the_process_is_prepared_is_a_typed_refusal_not_a_cancellation(tmp_path):
+    """The holder's socket closes while a command waits for its prepared process (the holder
+    died): the command hears SpawnerUnavailable (and runs the other way, or reads lost), never
+    a CancelledError that would end its job without a result."""
+    async def main() -> None:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        client = SpawnerClient(ours, os.getpid())
+        stdio = (os.open("/dev/null", os.O_RDONLY),) * 3
+        try:
+            loop = asyncio.get_running_loop()
+            loop.call_later(0.2, theirs.close)  # the holder goes away before its child says hello
+            with pytest.raises(SpawnerUnavailable):
+                await client.spawn(["true"], {}, "/", stdio)
+        finally:
+            os.close(stdio[0])
+            client.close()
+
+    asyncio.run(main())
