@@ -45,6 +45,9 @@ class SandboxCgroup:
     job_controller: Optional[str] = None  # the controller whose tree holds per-job children
     job_dirs: list[Path] = field(default_factory=list)
     oom_kills_seen: int = 0
+    # Chosen but not yet (or not visibly) occupied: the spawner's next process before the
+    # agent writes it in, an orchard-enter command before the helper joins. Never handed out twice.
+    reserved: set[Path] = field(default_factory=set)
 
     @property
     def procs_files(self) -> list[str]:
@@ -59,7 +62,7 @@ class SandboxCgroup:
         if self.job_controller is None:
             return None
         for path in self.job_dirs:
-            if not _read_small(path / "cgroup.procs").strip():
+            if path not in self.reserved and not _read_small(path / "cgroup.procs").strip():
                 return path
         path = self.dirs[self.job_controller] / f"job-{len(self.job_dirs)}"
         try:

@@ -206,6 +206,15 @@ class SpawnerClient:
 
     async def _prepare(self) -> _Prepared:
         job_cgroup = self.cgroup.job_dir() if self.cgroup is not None else None
+        if job_cgroup is not None and self.cgroup is not None:
+            self.cgroup.reserved.add(job_cgroup)  # nobody else gets it while we wait for the child
+        try:
+            return await self._prepare_in(job_cgroup)
+        finally:
+            if job_cgroup is not None and self.cgroup is not None:
+                self.cgroup.reserved.discard(job_cgroup)  # placed (no longer empty), or given up
+
+    async def _prepare_in(self, job_cgroup: Optional[Path]) -> _Prepared:
         self._next_id += 1
         request_id = self._next_id
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -248,8 +257,9 @@ class SpawnerClient:
         return _Prepared(spawned, ours)
 
     async def _take(self) -> _Prepared:
-        """The prepared child, or a new one; one the sandbox killed while it waited is replaced once."""
-        for _ in range(2):
+        """The prepared child, or a new one; one the sandbox killed while it waited (or while it
+        was being prepared, with nobody waiting for it) is replaced once."""
+        for attempt in range(2):
             self.prepare()
             if self._next is None:
                 raise SpawnerUnavailable("the spawner is gone")
@@ -264,6 +274,10 @@ class SpawnerClient:
                 if not task.done():
                     self._next = None
                     self._forget(task)
+                raise
+            except SpawnerUnavailable:
+                if attempt == 0 and self.alive:  # a stale failure of an unawaited preparation
+                    continue
                 raise
             finally:
                 if self._next is task and task.done():
@@ -303,14 +317,19 @@ class SpawnerClient:
                 await asyncio.wait([taken, spawned.exited], timeout=START_TIMEOUT, return_when=asyncio.FIRST_COMPLETED)
             finally:
                 self._loop.remove_reader(ctl.fileno())
-            try:
-                acknowledged = taken.done() and ctl.recv(1) == b"x"
+            if not taken.done():
+                spawned.kill()  # first: after this it cannot start the command any more
+            try:  # read even when the reader did not fire: "x" may have come after the timeout
+                acknowledged = ctl.recv(1) == b"x"
             except OSError:
                 acknowledged = False
             if not acknowledged:
                 if not taken.done() and not spawned.exited.done():
                     self._unhealthy("a prepared process did not take its command in time")
                 raise SpawnerUnavailable("the prepared process did not take its command")
+            if not taken.done():  # it started the command, then we killed it: never run it twice
+                self._unhealthy("a prepared process took its command too late")
+                raise SpawnerLost("the command's process acknowledged it after the start timeout; it was killed")
         except BaseException:
             prepared.discard()
             raise

@@ -224,6 +224,45 @@ def test_the_waiting_process_cannot_be_ptraced_or_robbed_of_its_socket(sandbox):
     assert ppid(sandbox) == "1"  # and it still runs the next command
 
 
+SEIZE = r"""
+import ctypes, os, time
+libc = ctypes.CDLL(None, use_errno=True)
+libc.ptrace.argtypes = [ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p]
+me, seized, last_pid = os.getpid(), [], os.open("/proc/sys/kernel/ns_last_pid", os.O_RDONLY)
+deadline = time.time() + 4
+while time.time() < deadline:
+    newest = int(os.pread(last_pid, 32, 0))
+    for pid in (newest, newest + 1):  # the process being forked now
+        if pid != me and libc.ptrace(0x4206, pid, None, None) == 0:  # PTRACE_SEIZE
+            time.sleep(0.1)  # a command has exec'd by now; a process prepared for the next one still waits
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as handle:
+                    args = handle.read().split(bytes(1))
+                seized.append(str(pid) + " " + b" ".join(args).decode(errors="replace"))
+            except OSError:
+                pass
+            libc.ptrace(17, pid, None, None)  # PTRACE_DETACH
+open("/tmp/seize.out", "w").write("\n".join(seized) + "\nend\n")
+"""
+
+
+def test_the_process_prepared_for_the_next_command_is_never_seizable(sandbox):
+    """A sandbox process spinning PTRACE_SEIZE on each new pid may attach to commands (its own
+    code, after exec), but never to a process prepared for the next command while it still
+    waits with its command socket: that one is not dumpable from fork to the last step before exec.
+    (Seized that way, it would be the holder's fork, still waiting 0.1 s later.)"""
+    sandbox.upload("/tmp/seize.py", SEIZE)
+    assert sandbox.exec("python3 /tmp/seize.py >/dev/null 2>&1 &").exit_code == 0
+    for _ in range(10):  # commands it seizes may fail (internal): that is its own code, tracing itself
+        time.sleep(0.3)
+        sandbox.exec("true")
+    deadline = time.monotonic() + 10
+    while "end" not in (report := sandbox.exec("cat /tmp/seize.out 2>/dev/null").stdout) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert report.endswith("end\n"), report
+    assert not [line for line in report.splitlines() if "--hold" in line], report  # the holder's fork, waiting
+
+
 def test_a_waiting_process_the_sandbox_killed_is_replaced(sandbox):
     assert sandbox.exec("true").exit_code == 0
     assert sandbox.exec("(sleep 0.3; kill -KILL -1) >/dev/null 2>&1 &").exit_code == 0
@@ -310,3 +349,61 @@ def test_a_holder_gone_while_the_process_is_prepared_is_a_typed_refusal_not_a_ca
             client.close()
 
     asyncio.run(main())
+
+
+def _holder_whose_children_die_before_hello(sock: socket.socket, requests: list) -> None:
+    """The sandbox kills each prepared process before it says who it is: its control socket
+    closes and the holder reports its exit."""
+    sock.settimeout(5)
+    for _ in range(2):
+        try:
+            data, ancdata, _, _ = sock.recvmsg(64, socket.CMSG_SPACE(4))
+        except OSError:
+            return
+        for _, _, value in ancdata:
+            for fd in array.array("i", value[:len(value) - len(value) % 4]):
+                os.close(fd)
+        if not data:
+            return
+        requests.append(data)
+        sock.send(b"exit " + data + b" 137")
+
+
+def test_a_preparation_that_failed_with_nobody_waiting_is_replaced_for_the_next_command():
+    async def main() -> list:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        client = SpawnerClient(ours, os.getpid())
+        requests: list = []
+        holder = threading.Thread(target=_holder_whose_children_die_before_hello, args=(theirs, requests))
+        holder.start()
+        stdio = (os.open("/dev/null", os.O_RDONLY),) * 3
+        try:
+            client.prepare()  # as after a command
+            await asyncio.sleep(0.3)  # its process died before its hello
+            with pytest.raises(SpawnerUnavailable):
+                await client.spawn(["true"], {}, "/", stdio)
+        finally:
+            client.close()
+            os.close(stdio[0])
+            await asyncio.to_thread(holder.join, 5)
+            theirs.close()
+        return requests
+
+    assert len(asyncio.run(main())) == 2  # the stale failure was not handed on: one fresh try
+
+
+def test_a_job_cgroup_being_filled_is_never_handed_out_twice(tmp_path):
+    """The next command's process is written into its job group only after it said hello, and
+    orchard-enter joins its group after its exec: until then the group is reserved."""
+    from orchard.agent.cgroups import SandboxCgroup
+
+    cgroup = SandboxCgroup(dirs={"pids": tmp_path}, job_controller="pids")
+    first = cgroup.job_dir()
+    assert first is not None
+    (first / "cgroup.procs").write_text("")  # what the kernel shows in an empty group
+    assert cgroup.job_dir() == first  # empty and free: reused
+    cgroup.reserved.add(first)
+    second = cgroup.job_dir()
+    assert second not in (None, first)
+    cgroup.reserved.discard(first)
+    assert cgroup.job_dir() == first

@@ -96,12 +96,11 @@ static void prepared_child(int ctl) {
     sigemptyset(&none);
     sigprocmask(SIG_SETMASK, &none, NULL);
     if (setsid() < 0) die("setsid", NULL);
-    /* Dumpable for a moment, so /proc/self/oom_score_adj is ours to write. */
-    if (prctl(PR_SET_DUMPABLE, 1, 0, 0, 0) < 0) die("dumpable", NULL);
-    int adj = open("/proc/self/oom_score_adj", O_WRONLY | O_CLOEXEC);
-    if (adj < 0 || write(adj, "1000", 4) != 4) die("oom_score_adj", NULL);
-    close(adj);
-    if (prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) < 0) die("dumpable", NULL);
+    /* Not dumpable while it waits (inherited from the holder): no PTRACE_SEIZE, no
+       /proc/PID/mem or /proc/PID/fd for the sandbox's processes. It becomes dumpable only
+       once it holds nothing but what the command gets (below, before exec, which would
+       make it dumpable anyway): a brief dumpable window here let a sandbox process spinning
+       PTRACE_SEIZE on ns_last_pid attach for good. */
     /* Tell the agent who we are: the kernel vouches for the pid (no capabilities here). */
     struct ucred self = {.pid = getpid(), .uid = getuid(), .gid = getgid()};
     if (send_control(ctl, "p", 1, SCM_CREDENTIALS, &self, sizeof self) != 1) _exit(125);
@@ -127,6 +126,11 @@ static void prepared_child(int ctl) {
     if (send(ctl, "x", 1, MSG_NOSIGNAL) != 1) _exit(125);
     if (syscall(SYS_close_range, 3U, ~0U, 0U) < 0)
         for (int fd = 3; fd < 1024; fd++) close(fd);
+    /* Only the command's stdio is left: dumpable now, so /proc/self/oom_score_adj is ours. */
+    if (prctl(PR_SET_DUMPABLE, 1, 0, 0, 0) < 0) die("dumpable", NULL);
+    int adj = open("/proc/self/oom_score_adj", O_WRONLY | O_CLOEXEC);
+    if (adj < 0 || write(adj, "1000", 4) != 4) die("oom_score_adj", NULL);
+    close(adj);
     environ = envp;
     execvp(argv[0], argv);
     fprintf(stderr, "orchard-enter: cannot run %s: %s\n", argv[0], strerror(errno));
