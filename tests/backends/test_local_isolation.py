@@ -11,22 +11,14 @@ from orchard.agent.host_ids import DEFAULT_HOST_UID
 from orchard.bench.measure import count_processes
 from orchard.testing.isolation import FORK_BOMB as KIT_FORK_BOMB
 from orchard.testing.isolation import connect_probe, host_listener  # noqa: F401  (a fixture)
+from tests.holders import holder_with_marker
 
 
 def holder_pid(sandbox) -> int:
     """Find a sandbox's holder from the host, by a marker file only its root has."""
     marker = f"marker-{sandbox.id}"
     sandbox.exec(f"touch /tmp/{marker}")
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if (entry / "cmdline").read_bytes().split(b"\0")[0] != b"/dev/.orchard-hold":
-                    continue
-                if (entry / "root/tmp" / marker).exists():
-                    return int(entry.name)
-            except OSError:
-                continue
-    raise LookupError(sandbox.id)
+    return holder_with_marker(marker)
 
 
 def test_unprivileged_inside_and_outside(sandbox):

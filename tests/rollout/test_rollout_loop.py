@@ -6,7 +6,6 @@ import asyncio
 import contextlib
 import os
 import signal
-from pathlib import Path
 
 
 from orchard.client.aio import AsyncClient
@@ -18,6 +17,7 @@ from orchard.rollout.loop import RolloutConfig, cut, run_episode
 from orchard.rollout.policies.scripted import END_OF_TURN, ScriptedPolicy
 from orchard.rollout.sample import RolloutStatus
 from orchard.tasks import Task
+from tests.holders import holder_with_marker
 
 
 def _task(**overrides) -> Task:
@@ -115,14 +115,7 @@ async def _holder_pid(sandbox) -> int:
     """The sandbox's holder (its PID 1) seen from the host, found by a marker only its root has."""
     marker = f"marker-{sandbox.id}"
     await sandbox.exec(f"touch /tmp/{marker}", check=True)
-    for entry in Path("/proc").iterdir():
-        try:
-            if entry.name.isdigit() and (entry / "cmdline").read_bytes().split(b"\0")[0] == b"/dev/.orchard-hold" \
-                    and (entry / "root/tmp" / marker).exists():
-                return int(entry.name)
-        except OSError:
-            continue
-    raise AssertionError("no holder found")
+    return holder_with_marker(marker)
 
 
 def test_a_lost_sandbox_aborts_the_rollout_without_a_reward_and_nothing_is_left(orchard_backend_settings, kit_image):

@@ -102,19 +102,21 @@ async def stop_held(sandbox: SandboxState, keep_layer: Optional[Path] = None) ->
     the sandbox's cgroup, mounts and state directory. ``keep_layer``: move the state
     directory there instead, with the writable layer (and its tmpfs) still in it (a snapshot)."""
     placement = sandbox.placement
-    exited = sandbox.holder_exit is not None and sandbox.holder_exit.done()
-    if placement is not None and not exited:  # once it exited, its pids may already be another process's
-        for pid in (placement.target_pid, placement.holder_pid):
-            if pid:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-    if sandbox.holder_exit is not None:
+    # The holder first: the tool that started it (bubblewrap) reaps it and exits. Killed
+    # together, the tool may die first and leave the holder to us, a zombie until the
+    # reaper's next sweep where children are watched by pidfd (reaper.py).
+    for pid, grace in ((placement.target_pid, 1.0), (placement.holder_pid, 5.0)) if placement is not None else ():
+        if not pid or (sandbox.holder_exit is not None and sandbox.holder_exit.done()):
+            continue  # once it exited, its pids may already be another process's
         try:
-            await asyncio.wait_for(asyncio.shield(sandbox.holder_exit), 5)
-        except asyncio.TimeoutError:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
             pass
+        if sandbox.holder_exit is not None:
+            try:
+                await asyncio.wait_for(asyncio.shield(sandbox.holder_exit), grace)
+            except asyncio.TimeoutError:
+                pass
     if sandbox.cgroup is not None:
         for _ in range(50):
             sandbox.cgroup.kill_all()
