@@ -131,7 +131,7 @@ class SpawnerClient:
         self.sock = sock
         self.sock.setblocking(False)
         self.namespace = pid_namespace(holder_pid)  # the sandbox's: the holder is its PID 1
-        self._holder_stat = os.open(f"/proc/{holder_pid}/stat", os.O_RDONLY | os.O_CLOEXEC)  # re-read per command
+        self._holder_stat = f"/proc/{holder_pid}/stat"
         self.cgroup = cgroup
         self.alive = True
         self._next_id = 0
@@ -145,9 +145,6 @@ class SpawnerClient:
             self._loop.remove_reader(self.sock.fileno())
             self.alive = False
         self.sock.close()
-        if self._holder_stat >= 0:
-            os.close(self._holder_stat)
-            self._holder_stat = -1
         if self._next is not None:
             self._forget(self._next)
             self._next = None
@@ -294,10 +291,16 @@ class SpawnerClient:
 
     def _holder_stopped(self) -> bool:
         """A stopped holder would never report how the command ended."""
-        try:
-            return os.pread(self._holder_stat, 512, 0).rpartition(b")")[2][1:2] in (b"T", b"t")
+        try:  # opened each time: a descriptor per sandbox would count against the agent's limit
+            fd = os.open(self._holder_stat, os.O_RDONLY | os.O_CLOEXEC)
         except OSError:  # gone: the command's end tells
             return False
+        try:
+            return os.read(fd, 512).rpartition(b")")[2][1:2] in (b"T", b"t")
+        except OSError:
+            return False
+        finally:
+            os.close(fd)
 
     # -- starting a command ---------------------------------------------------------
     async def spawn(self, argv: list[str], env: dict[str, str], cwd: str, stdio: tuple[int, int, int]) -> Spawned:
