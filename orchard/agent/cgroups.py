@@ -45,9 +45,7 @@ class SandboxCgroup:
     job_controller: Optional[str] = None  # the controller whose tree holds per-job children
     job_dirs: list[Path] = field(default_factory=list)
     oom_kills_seen: int = 0
-    # Chosen but not yet (or not visibly) occupied: the spawner's next process before the
-    # agent writes it in, an orchard-enter command before the helper joins. Never handed out twice.
-    reserved: set[Path] = field(default_factory=set)
+    reserved: set[Path] = field(default_factory=set)  # claimed, not yet visibly occupied (claim_job_dir)
 
     @property
     def procs_files(self) -> list[str]:
@@ -71,6 +69,19 @@ class SandboxCgroup:
             return None
         self.job_dirs.append(path)
         return path
+
+    def claim_job_dir(self) -> Optional[Path]:
+        """``job_dir``, kept from everyone else until ``release_job_dir``: for a process that
+        joins it later (the spawner's next process, written in after its hello; orchard-enter,
+        which joins after its exec), so the group still reads empty meanwhile."""
+        path = self.job_dir()
+        if path is not None:
+            self.reserved.add(path)
+        return path
+
+    def release_job_dir(self, path: Optional[Path]) -> None:
+        if path is not None:
+            self.reserved.discard(path)
 
     def job_procs_files(self, job_dir: Optional[Path]) -> list[str]:
         """Where a command's helper writes its pid: the job's group replaces its parent."""

@@ -179,10 +179,7 @@ class JobRunner:
                 record.pid = spawned.pid
                 exited, kill = spawned.exited, spawned.kill
             else:
-                job_cgroup = sandbox.cgroup.job_dir() if sandbox.cgroup is not None else None
-                if job_cgroup is not None and sandbox.cgroup is not None:  # until the job ends: orchard-enter joins
-                    sandbox.cgroup.reserved.add(job_cgroup)                # it only after its exec
-                    reserved = job_cgroup
+                job_cgroup = reserved = sandbox.cgroup.claim_job_dir() if sandbox.cgroup is not None else None
                 record.pid = self._spawn_helper(runtime.command(sandbox, command, cwd, job_cgroup), env, record, stdin_fd)
                 exited, kill = self.reaper.wait(record.pid), _killpg(record.pid)
             job.status, job.started_at = "running", time.time()
@@ -201,8 +198,8 @@ class JobRunner:
                     kill()
                     await asyncio.to_thread(kill_marked, mark)
         finally:
-            if reserved is not None and sandbox.cgroup is not None:
-                sandbox.cgroup.reserved.discard(reserved)
+            if sandbox.cgroup is not None:
+                sandbox.cgroup.release_job_dir(reserved)
             if stdin_fd >= 0:
                 os.close(stdin_fd)
             if spawned is not None:

@@ -72,7 +72,8 @@ def serve(settings: AgentSettings, uds: Optional[Path] = None, host: str = "127.
     if uds is not None and uds.exists():
         uds.unlink()
     config = uvicorn.Config(app, uds=str(uds) if uds else None, host=host, port=port, log_level=log_level,
-                            access_log=False, proxy_headers=False, lifespan="on", loop=event_loop(), timeout_keep_alive=60, backlog=4096,
+                            access_log=False, proxy_headers=False, lifespan="on", loop=event_loop(),
+                            timeout_keep_alive=60, backlog=4096,
                             timeout_graceful_shutdown=graceful_shutdown_seconds, fd=fd,
                             limit_concurrency=settings.max_connections)
     server = uvicorn.Server(config)

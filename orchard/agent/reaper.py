@@ -5,7 +5,7 @@ resolves those futures with the exit status (128 + signal when killed). Orphans
 (background processes of finished commands) are simply reaped.
 
 What tells us a child exited depends on the loop: asyncio's lets us have SIGCHLD; uvloop
-(the agent's loop where pidfds exist: about a quarter of a millisecond less per command)
+(the agent's loop where pidfds exist: about a tenth of a millisecond less per command)
 keeps SIGCHLD for its own subprocesses, so there each child we started is watched through a
 pidfd and orphans are swept up every ``ORPHAN_SWEEP_SECONDS``.
 """

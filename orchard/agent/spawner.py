@@ -202,14 +202,12 @@ class SpawnerClient:
         task.add_done_callback(discard)
 
     async def _prepare(self) -> _Prepared:
-        job_cgroup = self.cgroup.job_dir() if self.cgroup is not None else None
-        if job_cgroup is not None and self.cgroup is not None:
-            self.cgroup.reserved.add(job_cgroup)  # nobody else gets it while we wait for the child
+        job_cgroup = self.cgroup.claim_job_dir() if self.cgroup is not None else None
         try:
             return await self._prepare_in(job_cgroup)
         finally:
-            if job_cgroup is not None and self.cgroup is not None:
-                self.cgroup.reserved.discard(job_cgroup)  # placed (no longer empty), or given up
+            if self.cgroup is not None:
+                self.cgroup.release_job_dir(job_cgroup)  # placed (no longer empty), or given up
 
     async def _prepare_in(self, job_cgroup: Optional[Path]) -> _Prepared:
         self._next_id += 1

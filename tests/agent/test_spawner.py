@@ -412,8 +412,8 @@ def test_a_job_cgroup_being_filled_is_never_handed_out_twice(tmp_path):
     assert first is not None
     (first / "cgroup.procs").write_text("")  # what the kernel shows in an empty group
     assert cgroup.job_dir() == first  # empty and free: reused
-    cgroup.reserved.add(first)
+    assert cgroup.claim_job_dir() == first
     second = cgroup.job_dir()
     assert second not in (None, first)
-    cgroup.reserved.discard(first)
+    cgroup.release_job_dir(first)
     assert cgroup.job_dir() == first
