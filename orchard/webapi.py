@@ -16,18 +16,20 @@ OPEN_PATHS = {"/", "/health"}
 MAX_WAIT_SECONDS = 3600.0
 
 
-def model_response(model: BaseModel | list[BaseModel] | dict | bytes, status_code: int = 200) -> Response:
+def json_body(model: BaseModel | list[BaseModel] | dict | bytes) -> str | bytes:
     """Serialize with pydantic directly: FastAPI's generic encoder costs ~0.3 ms a call.
     ``bytes`` are JSON already (an agent's answer the server passes on)."""
     if isinstance(model, bytes):
-        body: str | bytes = model
-    elif isinstance(model, BaseModel):
-        body = model.model_dump_json()
-    elif isinstance(model, list):
-        body = "[" + ",".join(m.model_dump_json() for m in model) + "]"
-    else:
-        body = json.dumps(model)
-    return Response(content=body, status_code=status_code, media_type="application/json")
+        return model
+    if isinstance(model, BaseModel):
+        return model.model_dump_json()
+    if isinstance(model, list):
+        return "[" + ",".join(m.model_dump_json() for m in model) + "]"
+    return json.dumps(model)
+
+
+def model_response(model: BaseModel | list[BaseModel] | dict | bytes, status_code: int = 200) -> Response:
+    return Response(content=json_body(model), status_code=status_code, media_type="application/json")
 
 
 ModelT = TypeVar("ModelT", bound=BaseModel)

@@ -18,6 +18,7 @@ from orchard.agent.pty_route import add_pty_route
 from orchard.agent.service import AgentService
 from orchard.agent.tokens import token_matches
 from orchard.errors import OrchardError
+from orchard.fast_exec import FastExecRoute
 from orchard.routes import add_sandbox_routes
 from orchard.webapi import ApiKeyMiddleware, BodyLimitMiddleware, internal_error_body, validation_body
 
@@ -62,6 +63,7 @@ def create_app(service: AgentService, token: Optional[str]) -> FastAPI:
         sandbox = service.sandboxes.get(sandbox_id)
         return sandbox is not None and token_matches(given, token, sandbox_id, sandbox.incarnation)
 
+    app.add_middleware(FastExecRoute, ops=service, api=app)  # first: innermost, behind the others
     if token is not None:
         app.add_middleware(ApiKeyMiddleware, token=token, scoped=sandbox_scoped)
     app.add_middleware(CallTracker, service=service)

@@ -16,6 +16,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from orchard import __version__
 from orchard.errors import OrchardError
+from orchard.fast_exec import FastExecRoute
 from orchard.routes import add_sandbox_routes
 from orchard.server.observability import Metrics, RequestLogMiddleware
 from orchard.server.pty_relay import add_pty_relay
@@ -35,6 +36,7 @@ def create_app(service: ServerService, reconciler: Reconciler, api_key: Optional
 
     app = FastAPI(title="Orchard Env", version=__version__, lifespan=lifespan,
                   description="Sandboxes for training language-model agents (compatible with the original Orchard Env).")
+    app.add_middleware(FastExecRoute, ops=service, api=app)  # first: innermost, behind the others
     if api_key is not None:
         app.add_middleware(ApiKeyMiddleware, token=api_key)
     app.add_middleware(BodyLimitMiddleware, limit=service.config.max_body_bytes,

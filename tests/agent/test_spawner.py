@@ -417,3 +417,66 @@ def test_a_job_cgroup_being_filled_is_never_handed_out_twice(tmp_path):
     assert second not in (None, first)
     cgroup.release_job_dir(first)
     assert cgroup.job_dir() == first
+
+
+def _holder_answering_for(sock: socket.socket, pid: int, done: threading.Event) -> None:
+    """Answer one request as the holder's child would, for ``pid`` (a real process of this
+    PID namespace), and keep its control socket open until the test is done."""
+    _, ancdata, _, _ = sock.recvmsg(64, socket.CMSG_SPACE(4))
+    fds = array.array("i")
+    for _, _, value in ancdata:
+        fds.frombytes(value[:len(value) - len(value) % 4])
+    with socket.socket(fileno=fds[0]) as ctl:
+        ctl.sendmsg([b"p"], [(socket.SOL_SOCKET, socket.SCM_CREDENTIALS, struct.pack("iII", pid, 0, 0))])
+        done.wait(10)
+
+
+def test_a_slow_cgroup_move_never_stalls_the_agents_loop(tmp_path, monkeypatch):
+    """Moving a process into a cgroup waits for an RCU grace period on most hosts (10 ms here,
+    more on a busy one); the move of the next command's process runs beside the agent's loop,
+    so other sandboxes' calls never wait for it."""
+    import subprocess
+
+    import orchard.agent.spawner as spawner_module
+    from orchard.agent.cgroups import SandboxCgroup, move_into
+
+    def slow_move(group: Path, pid: int) -> None:
+        time.sleep(1.0)
+        move_into(group, pid)
+
+    monkeypatch.setattr(spawner_module, "move_into", slow_move)
+    waiting = subprocess.Popen(["sleep", "30"], start_new_session=True)  # stands for the prepared child
+
+    async def main() -> list[float]:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        (tmp_path / "job-0").mkdir()
+        (tmp_path / "job-0" / "cgroup.procs").write_text("")  # a directory, not a cgroup: the move is a file write
+        cgroup = SandboxCgroup(dirs={"pids": tmp_path}, job_controller="pids", job_dirs=[tmp_path / "job-0"])
+        client = SpawnerClient(ours, os.getpid(), cgroup)
+        done = threading.Event()
+        holder = threading.Thread(target=_holder_answering_for, args=(theirs, waiting.pid, done))
+        holder.start()
+        loop = asyncio.get_running_loop()
+        gaps: list[float] = []
+        try:
+            client.prepare()
+            task = client._next
+            assert task is not None
+            last = loop.time()
+            while not task.done():
+                await asyncio.sleep(0.01)
+                gaps.append(loop.time() - last)
+                last = loop.time()
+            assert task.result().spawned.pid == waiting.pid
+        finally:
+            client.close()  # discards the prepared process: kills it
+            await asyncio.sleep(0)
+            done.set()
+            await asyncio.to_thread(holder.join, 5)
+            theirs.close()
+        return gaps
+
+    gaps = asyncio.run(main())
+    assert waiting.wait(5) == -signal.SIGKILL
+    assert (tmp_path / "job-0" / "cgroup.procs").read_text() == f"{waiting.pid}\n"
+    assert sum(gaps) >= 1.0 and max(gaps) < 0.5  # the loop ran on while the move waited

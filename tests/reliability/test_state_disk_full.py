@@ -1,7 +1,12 @@
 """The server's state disk fills up: SQLite write errors become a typed, retryable 503
 (not a 500 and a dropped connection), the server keeps serving, and once space is freed
 what was acknowledged is all there, the file passes SQLite's integrity check, and a retry
-of a refused exec (same job id) returns the result of the one run, never a second run."""
+of a refused exec (same job id) returns the result of the one run, never a second run.
+
+The store's WAL is copied into the database file in the background and then reused from its
+start, so on a full disk small writes still fit in the space the WAL already holds (and
+succeed, durably); the writes here are larger than anything the WAL held before the disk
+filled, so they need new space and fail."""
 
 from __future__ import annotations
 
@@ -42,7 +47,7 @@ def test_a_full_state_disk_gives_typed_errors_and_loses_nothing(server_factory, 
         before = http.post(f"/sandboxes/{sid}/exec", json={"command": "echo kept", "wait": True, "job_id": "job-kept"})
         assert before.json()["stdout"] == "kept\n"
         filler = fill(small_state_disk)
-        counter = "echo run >> /tmp/runs; wc -l < /tmp/runs; echo " + "x" * 8000
+        counter = "echo run >> /tmp/runs; wc -l < /tmp/runs; head -c 300000 /dev/zero | tr '\\0' x"
         refused = []
         for attempt in range(3):  # the same job id each time, as the SDK retries
             answer = http.post(f"/sandboxes/{sid}/exec", json={"command": counter, "wait": True, "job_id": "job-retried"})
@@ -50,7 +55,7 @@ def test_a_full_state_disk_gives_typed_errors_and_loses_nothing(server_factory, 
             body = answer.json()["error"]
             assert body["type"] == "StoreUnavailable" and body["retryable"] and "full" in body["message"]
             refused.append(answer)
-        create = http.post("/sandboxes", json={})
+        create = http.post("/sandboxes", json={"labels": {"pad": "x" * 300_000}})
         assert create.status_code == 503 and create.json()["error"]["type"] == "StoreUnavailable", create.text
         assert http.get("/health").status_code == 200
         assert http.get(f"/sandboxes/{sid}").json()["status"] == "ready"  # reads still work
