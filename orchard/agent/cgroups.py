@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
+
+from orchard.agent.cgroup_owners import CgroupOwnership
 
 V1_ROOT = Path("/sys/fs/cgroup")
 CFS_PERIOD_US = 100_000
@@ -173,10 +176,14 @@ class CgroupManager:
     ``below_own`` (cgroup v1), under the agent's own cgroup instead, so whatever bounds the
     agent (a Slurm job's cgroup) bounds its sandboxes."""
 
-    def __init__(self, agent_name: str, below_own: bool = False) -> None:
+    def __init__(self, agent_name: str, below_own: bool = False, ownership: Optional[CgroupOwnership] = None) -> None:
         self.agent_name = agent_name
         self.below_own = below_own
         self.mode, self.bases = self._detect()
+        # Trees below the agent's own cgroup go with it (a Slurm job's); the shared ones are claimed.
+        self.ownership = ownership or CgroupOwnership(agent_name)
+        if self.bases and not below_own:
+            self.ownership.hold()
 
     @property
     def available(self) -> bool:
@@ -245,6 +252,24 @@ class CgroupManager:
                 base.rmdir()
             except OSError:
                 pass
+        self.ownership.release(forget=not any(base.exists() for base in self.bases.values()))
+
+    def remove_dead_agents_trees(self, patience: float = 1.0) -> list[str]:
+        """Remove the trees of agents on this host that died without cleaning up (see
+        cgroup_owners.py); what still runs in them is killed first."""
+        if not self.bases or self.below_own:
+            return []
+
+        def remove(tree: Path) -> bool:
+            group = SandboxCgroup({"leftover": tree})
+            deadline = time.monotonic() + patience
+            while True:
+                group.kill_all()
+                if group.remove() or time.monotonic() > deadline:
+                    return not tree.exists()
+                time.sleep(0.05)
+
+        return self.ownership.remove_orphans(sorted({base.parent for base in self.bases.values()}), remove)
 
     def leftovers(self) -> list[Path]:
         """Sandbox cgroups that still exist (for leak checks)."""

@@ -135,6 +135,7 @@ class AgentService(SnapshotOperations):
             remove_tree(entry)
         self.snapshots.clean_leftovers()
         self._remove_leftover_cgroups()
+        self.cgroups.remove_dead_agents_trees()  # and those of agents on other state dirs that died
 
     def _remove_leftover_cgroups(self, patience: float = 2.0) -> None:
         """Kill what still runs in cgroups no sandbox owns and remove them (processes of a
