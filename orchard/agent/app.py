@@ -48,6 +48,8 @@ def create_app(service: AgentService, token: Optional[str]) -> FastAPI:
         """A per-sandbox token opens that sandbox's routes and the jobs run in it; not
         snapshots, which outlive the sandbox (their owner, the server, takes them)."""
         assert token is not None
+        if not path.isprintable():  # "snapshot\n" still matched the snapshot route (its regex ends in `$`)
+            return False
         parts = path.split("/")
         if len(parts) >= 4 and parts[1] == "sandboxes" and parts[3] == "snapshot":
             return False

@@ -234,7 +234,12 @@ class SpawnerClient:
             spawned.cgroup = job_cgroup
             try:
                 if job_cgroup is not None:  # in a thread: a cold migration stalled every sandbox's calls
-                    await self._loop.run_in_executor(_CGROUP_MOVES, move_into, job_cgroup, pid)
+                    move = self._loop.run_in_executor(_CGROUP_MOVES, move_into, job_cgroup, pid)
+                    try:
+                        await asyncio.shield(move)
+                    except asyncio.CancelledError:  # the group is released once the write has landed, not before
+                        await asyncio.wait([move])
+                        raise
                 signal.pidfd_send_signal(spawned.pidfd, 0)  # still the same process
             except BaseException as exc:
                 spawned.kill()

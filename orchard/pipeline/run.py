@@ -31,6 +31,9 @@ class PipelineInputError(ValueError):
     """A run that cannot start from what it was given (the CLI reports it as a usage error)."""
 
 
+SFT_DATA = ("credit", "credit-all", "resolved")
+
+
 @dataclass
 class PipelineConfig:
     output_dir: Path = field(metadata={"help": "everything the run writes"})
@@ -50,7 +53,10 @@ class PipelineConfig:
     expert: dict = field(default_factory=lambda: {"p_correct": 0.5, "p_recover": 0.5, "p_undo": 0.25})
     teacher: Optional[dict] = field(default=None, metadata={"help": "{base_url, model}: an LLM teacher for V(t) "
                                                                    "(default: ground-truth values)"})
-    sft_data: str = field(default="credit", metadata={"help": "credit (ascending segments) | resolved (ablation)"})
+    sft_data: str = field(default="credit", metadata={
+        "help": "credit (ascending segments of failed trajectories, resolved ones in full) | credit-all (resolved "
+                "ones graded too: their descending actions, a wrong try they undid, are not trained) | "
+                "resolved (ablation)"})
     sft: dict = field(default_factory=lambda: {"epochs": 20, "learning_rate": 1e-3, "min_learning_rate": 1e-4,
                                                "global_batch_size": 8, "micro_batch_size": 8})
     rl: dict = field(default_factory=lambda: {"steps": 24, "rollout_budget": 384, "tasks_per_step": 8, "group_size": 4,
@@ -67,8 +73,8 @@ class PipelineConfig:
         self.start_from = Path(self.start_from) if self.start_from else None
         if isinstance(self.model, dict):
             self.model = BaseModelConfig(**self.model)
-        if self.sft_data not in ("credit", "resolved"):
-            raise ValueError(f"sft_data must be credit or resolved, not {self.sft_data!r}")
+        if self.sft_data not in SFT_DATA:
+            raise ValueError(f"sft_data must be one of {', '.join(SFT_DATA)}, not {self.sft_data!r}")
 
 
 QUICK = {"tasks": 160, "model": {"pretrain_steps": 100}, "expert_attempts": 1, "eval_attempts": 1,
@@ -117,7 +123,7 @@ class Pipeline:
             await self.rl(model, tokenizer, train, config.rl.get("sampler", "bar"), "rl")
             results["sft+rl"] = await self.evaluate("sft+rl", model, tokenizer, heldout)
             if ablations and not config.start_from:
-                other = "resolved" if config.sft_data == "credit" else "credit"
+                other = "credit" if config.sft_data == "resolved" else "resolved"
                 model.load_state_dict(base_weights)
                 self.sft(model, tokenizer, await self.credit(trajectories, train, other), f"sft-{other}")
                 results[f"sft ({other})"] = await self.evaluate(f"sft ({other})", model, tokenizer, heldout)
@@ -266,10 +272,11 @@ class Pipeline:
                 kind = f"LLM teacher {config.teacher.get('model')}"
             else:
                 estimator, kind = GroundTruthValues(train), "ground-truth values (the tasks' known fixes), not an LLM"
-            result = await build_sft_dataset(trajectories, estimator, system=SYSTEM)
+            result = await build_sft_dataset(trajectories, estimator, system=SYSTEM,
+                                             credit_resolved=sft_data == "credit-all")
             examples = result.examples
             self._stage("credit assignment", started, values=kind, **result.report)
-        save_jsonl(examples, config.output_dir / ("sft.jsonl" if sft_data == "credit" else f"sft-{sft_data}.jsonl"))
+        save_jsonl(examples, config.output_dir / ("sft.jsonl" if sft_data == config.sft_data else f"sft-{sft_data}.jsonl"))
         return examples
 
     def sft(self, model: Any, tokenizer: Any, examples: list[dict], name: str) -> None:

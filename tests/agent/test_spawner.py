@@ -480,3 +480,52 @@ def test_a_slow_cgroup_move_never_stalls_the_agents_loop(tmp_path, monkeypatch):
     assert waiting.wait(5) == -signal.SIGKILL
     assert (tmp_path / "job-0" / "cgroup.procs").read_text() == f"{waiting.pid}\n"
     assert sum(gaps) >= 1.0 and max(gaps) < 0.5  # the loop ran on while the move waited
+
+
+def test_a_job_group_is_not_handed_out_again_while_a_cancelled_move_into_it_runs(tmp_path, monkeypatch):
+    """The holder goes away while the prepared process is being moved into its job group: the
+    preparation ends, but the group stays reserved until the write has landed, so no other
+    command can be given a group a stale pid is about to be written into."""
+    import subprocess
+
+    import orchard.agent.spawner as spawner_module
+    from orchard.agent.cgroups import SandboxCgroup, move_into
+
+    moving = threading.Event()
+
+    def slow_move(group: Path, pid: int) -> None:
+        moving.set()
+        time.sleep(0.5)
+        move_into(group, pid)
+
+    monkeypatch.setattr(spawner_module, "move_into", slow_move)
+    waiting = subprocess.Popen(["sleep", "30"], start_new_session=True)
+    procs = tmp_path / "job-0" / "cgroup.procs"
+
+    async def main() -> list:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        (tmp_path / "job-0").mkdir()
+        procs.write_text("")
+        cgroup = SandboxCgroup(dirs={"pids": tmp_path}, job_controller="pids", job_dirs=[tmp_path / "job-0"])
+        client = SpawnerClient(ours, os.getpid(), cgroup)
+        done = threading.Event()
+        holder = threading.Thread(target=_holder_answering_for, args=(theirs, waiting.pid, done))
+        holder.start()
+        try:
+            client.prepare()
+            task = client._next
+            assert task is not None
+            await asyncio.to_thread(moving.wait, 5)
+            client.close()  # the holder went away mid-move
+            await asyncio.sleep(0.05)
+            during = cgroup.claim_job_dir()  # the next command's group, while the write is pending
+            await asyncio.wait([task], timeout=5)
+            return [during, procs.read_text(), task.cancelled()]
+        finally:
+            done.set()
+            await asyncio.to_thread(holder.join, 5)
+            theirs.close()
+
+    during, written, cancelled = asyncio.run(main())
+    assert during != tmp_path / "job-0"  # still reserved: the stale write had not landed
+    assert written == f"{waiting.pid}\n" and waiting.wait(5) == -signal.SIGKILL and cancelled

@@ -63,3 +63,19 @@ def test_the_background_checkpoint_copies_the_wal_and_keeps_it_bounded(tmp_path:
     finally:
         store.close()
     assert not store.checkpointer.thread.is_alive()
+
+
+def test_a_steady_stream_of_writes_cannot_grow_the_wal_without_bound(tmp_path: Path):
+    """A passive checkpoint never finishes while commits keep landing during its sync, so the
+    WAL never restarted and grew by about 10 MB/s at 400 writes/s (found in review); past a
+    size the checkpoint now waits for the writer once and truncates it."""
+    db, wal = tmp_path / "server.db", tmp_path / "server.db-wal"
+    store = SQLiteStore(db, checkpoint_seconds=0.02, wal_restart_bytes=2 * WAL_KEEP_BYTES)
+    largest = 0
+    try:
+        for n in range(6000):  # about 120 MB of WAL, back to back: a commit lands during every sync
+            store.put_job_json("sb", _job(n))
+            largest = max(largest, wal.stat().st_size if wal.exists() else 0)
+    finally:
+        store.close()
+    assert largest <= 12 * WAL_KEEP_BYTES, largest  # 48 MB; 13-26 MB seen with the fix, 120 MB without

@@ -211,3 +211,30 @@ def test_resolved_trajectories_are_not_graded():
     assert estimator.asked == [("failed", True)]
     assert [m["loss_mask"] for m in result.examples[1]["messages"] if m["role"] == "assistant"] == [1]
     assert result.examples[1]["values"] is None
+
+
+def test_credit_resolved_leaves_out_the_descending_actions_of_a_resolved_trajectory():
+    """A wrong try that the trajectory undid before it found the fix: trained by the original's
+    rule, left out with ``credit_resolved``; neutral actions (a look, the submit) stay."""
+    values = [1 / 6, 1 / 6, 0.0, 1 / 6, 1.0, 1.0]  # look, wrong candidate, undo, the fix, submit
+    assert action_mask(trajectory(True), values) == [True] * 5
+    assert action_mask(trajectory(True), values, credit_resolved=True) == [True, False, True, True, True]
+    assert action_mask(trajectory(True), [0.2, 0.15, 0.1, 0.5, 0.9, 1.0], threshold=0.1,
+                       credit_resolved=True) == [True, True, True, True, True]  # small dips within the threshold
+    with pytest.raises(ValueError, match="need 6 values"):
+        action_mask(trajectory(True), None, credit_resolved=True)
+
+
+def test_credit_resolved_grades_resolved_trajectories_too():
+    from orchard.train.credit_pipeline import build_sft_dataset
+
+    failed = Trajectory("failed", "x", [Step("a", "b")], resolved=False)
+    recovered = Trajectory("recovered", "x", [Step("wrong", "b"), Step("undo", "c"), Step("fix", "d"), Step("submit")],
+                           resolved=True)
+    scripted = {"failed": [0.2, 0.6], "recovered": [1 / 6, 0.0, 1 / 6, 1.0, 1.0]}
+    estimator = Scripted(lambda t: [], lambda t: scripted[t.task_id])
+    result = asyncio.run(build_sft_dataset([failed, recovered], estimator, credit_resolved=True))
+    assert sorted(estimator.asked) == [("failed", True), ("recovered", True)]
+    trained = [m["content"] for m in result.examples[1]["messages"] if m["loss_mask"]]
+    assert trained == ["undo", "fix", "submit"] and result.examples[1]["values"] == scripted["recovered"]
+    assert result.report["credit_resolved"] is True and result.report["trained_actions"] == 4
