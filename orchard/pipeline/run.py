@@ -196,6 +196,8 @@ class Pipeline:
         report = earlier / "report.json"
         if not checkpoints or not report.exists():
             raise PipelineInputError(f"start_from: {earlier} has no finished SFT stage (sft/checkpoint-N and report.json)")
+        if not (earlier / "base" / "config.json").is_file():
+            raise PipelineInputError(f"start_from: {earlier} has no base model (base/config.json and its tokenizer)")
         tokenizer = AutoTokenizer.from_pretrained(earlier / "base")
         model = AutoModelForCausalLM.from_pretrained(earlier / "base")
         model.load_state_dict(torch.load(checkpoints[-1] / "state.pt", weights_only=False)["model"])

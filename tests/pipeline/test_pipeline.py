@@ -119,6 +119,10 @@ def test_orchard_pipeline_runs_end_to_end_with_tiny_budgets(orchard_backend_sett
     other_seed = CliRunner().invoke(cli, ["pipeline", "--config", str(tmp_path / "again.yaml"), "--seed", "5",
                                           "--output", str(tmp_path / "other")])
     assert other_seed.exit_code == 2 and "start_from" in other_seed.output and "tasks" in other_seed.output
+    (tmp_path / "run" / "base").rename(tmp_path / "base-moved")  # a run dir put together by hand, missing a part
+    no_base = CliRunner().invoke(cli, ["pipeline", "--config", str(tmp_path / "again.yaml"),
+                                       "--output", str(tmp_path / "no-base")])
+    assert no_base.exit_code == 2 and "no base model" in no_base.output, no_base.output
     (tmp_path / "bad.yaml").write_text(yaml.safe_dump({**config, "epochs": 3}))
     bad = CliRunner().invoke(cli, ["pipeline", "--config", str(tmp_path / "bad.yaml")])
     assert bad.exit_code != 0 and "epochs" in bad.output

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import yaml
@@ -87,3 +88,11 @@ def test_summarizing_a_study_started_from_another_reads_base_and_sft_where_they_
     summary = run_study(config, [0, 1], summarize_only=True)
     assert {model: row["values"] for model, row in summary["models"].items()} == {
         "base": [0.0, 0.0], "sft": [0.5, 0.5], "sft+rl": [1.0, 1.0]}
+
+
+def test_sft_data_names_its_choices():
+    from orchard.pipeline.run import PipelineConfig
+
+    assert PipelineConfig(output_dir=Path("x"), sft_data="credit-all").sft_data == "credit-all"
+    with pytest.raises(ValueError, match="credit, credit-all, resolved"):
+        PipelineConfig(output_dir=Path("x"), sft_data="credit_all")
