@@ -160,7 +160,8 @@ class RolloutEngine:
             born = time.monotonic()
             try:
                 sample.grade = await grade(prepared, sample.diff)
-                sample.reward = 1.0 if sample.grade.resolved else -1.0
+                unsubmitted = sample.status == RolloutStatus.TRUNCATED and self.config.rollout.submit_required
+                sample.reward = 1.0 if sample.grade.resolved and not unsubmitted else -1.0
             except OrchardError as exc:  # the grading sandbox failed: no verdict, no reward
                 _abort(sample, exc)
             finally:

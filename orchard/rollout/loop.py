@@ -81,6 +81,9 @@ class RolloutConfig:
     time_limit_seconds: Optional[float] = field(default=None, metadata={
         "help": "the episode's wall-clock budget (default: the task's)"})
     system_prompt: str = field(default=SYSTEM_PROMPT, metadata={"help": "explains the action format"})
+    submit_required: bool = field(default=False, metadata={
+        "help": "an episode that never submits (truncated) earns -1 whatever its diff: with a reward for the final "
+                "state alone, RL has no reason to stop once the fix is in, and reinforces whatever follows it"})
 
     def __post_init__(self) -> None:
         if min(self.max_turns, self.max_tokens_per_turn, self.max_total_tokens, self.observation_max_chars) < 1:

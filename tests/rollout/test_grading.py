@@ -318,6 +318,23 @@ def test_the_engine_rewards_fixes_plus_one_and_the_rest_minus_one(orchard_backen
     assert left == set() and snapshots == set(), "every sandbox and snapshot was cleaned up"
 
 
+def test_submit_required_makes_a_fix_that_never_submits_earn_minus_one(orchard_backend_settings, tasks):
+    """The oracle fixes at its second turn and submits at its third: cut at two turns, its fix
+    is graded resolved either way, and earns +1 only where submitting is not required."""
+    from orchard.rollout.loop import RolloutConfig
+
+    async def main(required: bool):
+        async with AsyncClient(backend_settings=orchard_backend_settings["local"]) as client:
+            config = EngineConfig(max_concurrent=2, rollout=RolloutConfig(max_turns=2, submit_required=required))
+            async with RolloutEngine(client, NoisyOraclePolicy(tasks[:1], p=1.0), config) as engine:
+                return await engine.run(tasks[:1], attempts=2)
+
+    for required, reward in ((False, 1.0), (True, -1.0)):
+        samples = asyncio.run(main(required))
+        assert all(s.status == RolloutStatus.TRUNCATED and s.resolved for s in samples)
+        assert [s.reward for s in samples] == [reward, reward]
+
+
 def test_a_task_whose_setup_fails_aborts_its_rollouts(orchard_backend_settings, tasks):
     broken = tasks[2].model_copy(update={"setup": ["exit 7"], "task_id": "broken-setup"})
 
