@@ -374,10 +374,13 @@ def test_the_watchdog_never_cuts_a_socket_that_took_over_its_calls_descriptor_nu
 
     store = PostgresStore(database, call_timeout=0.2)
     fds = lambda: len(os.listdir("/proc/self/fd"))  # noqa: E731
+    store.get_sandbox("none")  # whatever the first call opens for good
     before = fds()
-    for _ in range(20):
+    for _ in range(100):
         store.get_sandbox("none")
-    assert fds() == before
+    # One per call would be 100. Counted over the whole test process, so a few descriptors that
+    # other tests' background threads open or close meanwhile must not fail it (2 did, once).
+    assert fds() - before < 10
     ours, peer = socket.socketpair()
     ours.settimeout(5)
     try:
