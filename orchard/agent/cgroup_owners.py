@@ -7,8 +7,9 @@ killed by ``scancel`` or its time limit, each with a state directory of its own)
 tree for good: the dev cluster here had gathered 99 of them. So a live agent holds an
 exclusive ``flock`` on ``/run/orchard/cgroup-owners/<agent name>``; the kernel drops it when
 the agent dies, however it dies, and the next agent to start on the host removes every tree
-whose lock it can take. A tree with no lock file (an agent of an older version) is left
-alone: only a tree whose owner is known to be dead is touched.
+whose lock it can take and in which no process is left. A tree with no lock file (an agent
+of an older version) is left alone, and nothing is ever killed: only empty trees whose owner
+is known to be dead are removed.
 """
 
 from __future__ import annotations

@@ -259,18 +259,20 @@ class CgroupManager:
 
     def remove_dead_agents_trees(self, patience: float = 1.0) -> list[str]:
         """Remove the trees of agents on this host that died without cleaning up (see
-        cgroup_owners.py); what still runs in them is killed first."""
+        cgroup_owners.py). Only trees with no process left in them, and nothing is killed: an
+        agent that could not take its claim (its predecessor on the state directory took more
+        than a few seconds to exit) looks dead from here while it lives."""
         if not self.bases or self.below_own:
             return []
 
         def remove(tree: Path) -> bool:
             group = SandboxCgroup({"leftover": tree})
             deadline = time.monotonic() + patience
-            while True:
-                group.kill_all()
-                if group.remove() or time.monotonic() > deadline:
-                    return not tree.exists()
+            while group.pids():  # a dead agent's holders die with it, within moments
+                if time.monotonic() > deadline:
+                    return False
                 time.sleep(0.05)
+            return group.remove() or not tree.exists()
 
         return self.ownership.remove_orphans(sorted({base.parent for base in self.bases.values()}), remove)
 
