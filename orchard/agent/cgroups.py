@@ -179,12 +179,12 @@ class CgroupManager:
     ``below_own`` (cgroup v1), under the agent's own cgroup instead, so whatever bounds the
     agent (a Slurm job's cgroup) bounds its sandboxes."""
 
-    def __init__(self, agent_name: str, below_own: bool = False, ownership: Optional[CgroupOwnership] = None) -> None:
+    def __init__(self, agent_name: str, below_own: bool = False) -> None:
         self.agent_name = agent_name
         self.below_own = below_own
         self.mode, self.bases = self._detect()
         # Trees below the agent's own cgroup go with it (a Slurm job's); the shared ones are claimed.
-        self.ownership = ownership or CgroupOwnership(agent_name)
+        self.ownership = CgroupOwnership(agent_name)
         if self.bases and not below_own:
             self.ownership.hold()
 
