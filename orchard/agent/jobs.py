@@ -103,12 +103,16 @@ async def settle_holder(sandbox: SandboxState, timeout: float = 2.0, dying: bool
     can be reaped a moment later: wait for it, so the job reads ``sandbox_lost``, not a plain failure.
     ``dying``: the holder's spawner socket closed, which it does while it exits."""
     placement, holder_exit = sandbox.placement, sandbox.holder_exit
-    if placement is None or holder_exit is None or holder_exit.done():
+    if placement is None or holder_exit is None:
         return
-    pid = placement.target_pid or placement.holder_pid
-    if dying or (pid and process_ended(pid)):
+    if not holder_exit.done():
+        pid = placement.target_pid or placement.holder_pid
+        if not (dying or (pid and process_ended(pid))):
+            return
         await asyncio.wait([holder_exit], timeout=timeout)
-        await asyncio.sleep(0)  # let the sandbox's exit callback mark it lost first
+    # An exit already seen may still have its callback (which marks the sandbox lost) queued:
+    # callbacks run in order, so one turn of the loop lets it run first.
+    await asyncio.sleep(0)
 
 
 class JobRunner:

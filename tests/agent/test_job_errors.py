@@ -53,3 +53,21 @@ def test_a_refused_command_is_rejected_and_an_unreachable_cause_says_so(tmp_path
     assert unreachable.error_type == "agent_unreachable"
     internal = run_refused(RuntimeError("a bug"), tmp_path)
     assert internal.error_type == "internal" and "RuntimeError: a bug" in internal.error
+
+
+def test_a_holder_exit_already_seen_marks_the_sandbox_lost_before_the_job_is_graded(tmp_path: Path):
+    """The exit future can be done while its callback (which marks the sandbox lost) is still
+    queued; the job must not be graded in between, or a killed holder reads ``internal``
+    (it did, one run in four, when the spawner's socket closed just after the holder was reaped)."""
+    from orchard.agent.jobs import settle_holder
+
+    async def scenario() -> str:
+        sandbox = SandboxState(spec=SandboxSpec(image="host"), sandbox_id="sb", runtime="t", state_dir=tmp_path)
+        sandbox.status, sandbox.placement = "ready", Placement(root="/", holder_pid=1)
+        sandbox.holder_exit = asyncio.get_running_loop().create_future()
+        sandbox.holder_exit.add_done_callback(lambda _: setattr(sandbox, "status", "lost"))
+        sandbox.holder_exit.set_result(-9)  # seen, callback queued, not run
+        await settle_holder(sandbox, dying=True)
+        return sandbox.status
+
+    assert asyncio.run(scenario()) == "lost"
