@@ -25,7 +25,7 @@ from orchard.rollout.sample import RolloutSample
 from orchard.tasks import Task
 from orchard.train.credit import Step, Trajectory, ValueEstimator
 
-TEST_COMMAND = "python3 -m unittest discover -s tests -t . 2>&1 | tail -n 1"
+TEST_COMMAND = "python3 -B -m unittest discover -s tests -t . 2>&1 | tail -n 1"  # -B: see gen_repo.TEST_COMMAND
 UNDO = "git checkout -- ."
 _APPLY = re.compile(rf"git apply {re.escape(CANDIDATES)}/([A-Za-z0-9_]+)\.diff")
 

@@ -139,6 +139,7 @@ def shadows(path: str) -> bool:
 
 # -- the canary: a test that must fail --------------------------------------------------
 _PYTHON = re.compile(r"(?:/[\w./-]*/)?python(?:\d+(?:\.\d+)?)?")
+_PYTHON_FLAGS = {"-B", "-u"}  # no bytecode written, unbuffered: neither changes what is discovered
 _UNITTEST_FLAGS = {"-v", "--verbose", "-q", "--quiet", "-b", "--buffer", "-c", "--catch", "--locals"}
 _UNITTEST_VALUED = {"-s": "start", "--start-directory": "start", "-p": "pattern", "--pattern": "pattern",
                     "-t": "top", "--top-level-directory": "top"}
@@ -173,6 +174,16 @@ def _words(command: str) -> Optional[list[str]]:
     return words if words and not any(set(word) <= set("();<>|&") for word in words) else None
 
 
+def _module_args(words: list[str], module: str) -> Optional[list[str]]:
+    """The arguments after ``python [-B] [-u] -m MODULE``, or None for another command."""
+    if not words or not _PYTHON.fullmatch(words[0]):
+        return None
+    index = 1
+    while index < len(words) and words[index] in _PYTHON_FLAGS:
+        index += 1
+    return words[index + 2:] if words[index:index + 2] == ["-m", module] else None
+
+
 def _relative(path: str) -> Optional[str]:
     norm = posixpath.normpath(path)
     return None if norm.startswith(("/", "..")) else norm
@@ -181,11 +192,12 @@ def _relative(path: str) -> Optional[str]:
 def _unittest_start(words: list[str], filename: str) -> Optional[str]:
     """The start directory of ``python -m unittest discover ...`` when ``filename`` there
     would be discovered (None: not such a command, or options we do not read)."""
-    if len(words) < 4 or not _PYTHON.fullmatch(words[0]) or words[1:4] != ["-m", "unittest", "discover"]:
+    after = _module_args(words, "unittest")
+    if not after or after[0] != "discover":
         return None
     found: dict[str, str] = {}
     positional: list[str] = []
-    args = iter(words[4:])
+    args = iter(after[1:])
     for word in args:
         name, equals, value = word.partition("=")
         if word in _UNITTEST_FLAGS:
@@ -215,8 +227,8 @@ def _pytest_directory(words: list[str]) -> Optional[str]:
     None: not such a command, no paths, or options we do not read (``-x``, ``-k``...)."""
     if words and posixpath.basename(words[0]) in ("pytest", "py.test"):
         args = iter(words[1:])
-    elif len(words) >= 3 and _PYTHON.fullmatch(words[0]) and words[1:3] == ["-m", "pytest"]:
-        args = iter(words[3:])
+    elif (after := _module_args(words, "pytest")) is not None:
+        args = iter(after)
     else:
         return None
     paths: list[str] = []
@@ -240,8 +252,8 @@ def _pytest_directory(words: list[str]) -> Optional[str]:
 def plan_canary(task: Task) -> Optional[Canary]:
     """A canary for ``task``, or None where one cannot be placed for sure. It applies to
     tasks with exactly one test command, written without shell syntax, that is either
-    ``python -m unittest discover`` (framework unittest; options -v -q -b -c --locals -s -p
-    -t, the pattern matching ``test_*.py``; the canary goes into the start directory and is
+    ``python -m unittest discover`` (framework unittest; python may take -B and -u; options
+    -v -q -b -c --locals -s -p -t, the pattern matching ``test_*.py``; the canary goes into the start directory and is
     discovered there) or ``pytest``/``python -m pytest`` with at least one path argument and
     only the options -v -q -s -l -r.. --tb --color --capture -W --import-mode -p
     --no-header (framework pytest; the canary goes next to the first path and its path is

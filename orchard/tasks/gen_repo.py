@@ -11,7 +11,10 @@ from typing import Optional
 
 from orchard.tasks.bugs import Case, Outcome, Variant, fill, run_cases
 
-TEST_COMMAND = "python3 -m unittest discover -v -s tests -t ."
+# -B: no bytecode cache, which trusts a .pyc while the source keeps its size and its mtime in whole
+# seconds: a same-size edit within a second of a test run (a tried candidate undone for another)
+# would be tested as the old code.
+TEST_COMMAND = "python3 -B -m unittest discover -v -s tests -t ."
 PACKAGES = ["ledger", "tally", "beacon", "quarry", "harbor", "meadow", "lantern", "orchid", "compass", "pebble",
             "summit", "thimble", "willow", "cobalt", "juniper", "saffron", "granite", "kestrel", "marlin", "nimbus"]
 MODULES = ["core", "util", "stats", "text", "series", "records", "calc", "helpers", "formatting", "metrics",

@@ -16,7 +16,10 @@ from orchard.errors import SandboxNotFound
 BUGGY = "def add(a, b):\n    return a - b\n"
 TESTS = ("import unittest\nfrom calc import add\n\n\nclass T(unittest.TestCase):\n"
          "    def test_add(self):\n        self.assertEqual(add(2, 3), 5)\n\n\nunittest.main()\n")
-RUN_TESTS = "python3 test_calc.py"
+# -B: no bytecode cache. The fix keeps calc.py's size, and a .pyc is trusted while the source's
+# size and mtime in whole seconds match, so an edit within the second of the first run read stale
+# code (CI saw it: mini submitted `a + b`, the tests still ran `a - b`).
+RUN_TESTS = "python3 -B test_calc.py"
 
 
 def step(thought: str, command: str) -> dict:

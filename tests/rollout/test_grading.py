@@ -284,10 +284,15 @@ def test_where_a_canary_is_planted(tasks):
     planted = plan_canary(pytest_task)
     assert planted is not None and planted.commands == [f"{pytest_task.test_commands[0]} {planted.path}"]
     assert planted.path.startswith("tests/test_")
+    for command, framework in (("python3 -B -u -m unittest discover -s tests", "unittest"),
+                               ("python -B -m pytest tests", "pytest")):
+        assert plan_canary(tasks[0].model_copy(update={"test_commands": [command],
+                                                       "test_framework": framework})) is not None, command
     for command in ("python3 -m unittest discover -f -s tests",  # failfast: the canary would stop the run
                     "python3 -m unittest discover -s tests -p '*_check.py'", "python3 -m unittest -v",
                     "python3 -m unittest discover -s tests 2>&1 | tail -n 1", "pytest -x tests", "pytest -k fix tests",
-                    "pytest tests/test_a.py::test_one", "pytest", "cd x && pytest tests"):
+                    "pytest tests/test_a.py::test_one", "pytest", "cd x && pytest tests",
+                    "python3 -X dev -m unittest discover -s tests", "python3 -B -m unittest -v"):
         framework = "pytest" if "pytest" in command else "unittest"
         assert plan_canary(tasks[0].model_copy(update={"test_commands": [command],
                                                        "test_framework": framework})) is None, command

@@ -123,7 +123,7 @@ def test_problem_statements_get_less_explicit_with_level():
         assert symptom in task.problem_statement
         assert (symptom.rsplit(".", 1)[0] == bug_module) == (level != "hard")
         assert ("```python" in task.problem_statement) == (level != "hard")
-    assert task.test_framework == "unittest" and task.test_commands == ["python3 -m unittest discover -v -s tests -t ."]
+    assert task.test_framework == "unittest" and task.test_commands == ["python3 -B -m unittest discover -v -s tests -t ."]
 
 
 def test_same_seed_same_tasks_other_seed_other_tasks():
