@@ -2,7 +2,7 @@
 and success on held-out tasks after each stage (``orchard pipeline``).
 
 Stages, each writing into ``output_dir``: tasks (generated suite as choice tasks, train and
-held-out splits), base model (built and pre-trained here unless ``base_model`` names a
+held-out splits, and with ``rl_tasks`` a training pool of RL's own), base model (built and pre-trained here unless ``base_model`` names a
 checkpoint), expert trajectories (a scripted noisy expert in sandboxes), credit assignment
 (ground-truth values, named as such, unless a teacher endpoint is configured), SFT, RL, and
 an evaluation of base, SFT and SFT+RL on the held-out split. Every sandbox comes from the
@@ -43,6 +43,9 @@ class PipelineConfig:
     tasks: int = field(default=400, metadata={"help": "generated tasks (train + held-out)"})
     heldout_fraction: float = field(default=0.25, metadata={"help": "share of held-out variants"})
     candidates: int = field(default=6, metadata={"help": "candidate fixes per task (chance = 1/this)"})
+    rl_tasks: int = field(default=0, metadata={
+        "help": "training-split tasks generated for RL alone, after the others (never seen by the expert or SFT); "
+                "0: RL draws from SFT's own training tasks"})
     base_model: Optional[str] = field(default=None, metadata={"help": "a Hugging Face checkpoint instead of the "
                                                                      "small model built here"})
     start_from: Optional[Path] = field(default=None, metadata={
@@ -73,6 +76,8 @@ class PipelineConfig:
         self.start_from = Path(self.start_from) if self.start_from else None
         if isinstance(self.model, dict):
             self.model = BaseModelConfig(**self.model)
+        if self.rl_tasks < 0 or (self.rl_tasks and not 0 <= self.heldout_fraction < 1):
+            raise ValueError("rl_tasks must be >= 0, and with rl_tasks heldout_fraction must be below 1")
         if self.sft_data not in SFT_DATA:
             raise ValueError(f"sft_data must be one of {', '.join(SFT_DATA)}, not {self.sft_data!r}")
 
@@ -109,6 +114,7 @@ class Pipeline:
         async with AsyncClient(backend=backend.get("name", "local"), backend_settings=backend.get("settings")) as client:
             self.client = client
             train, heldout = self.make_tasks()
+            rl_pool = self.make_rl_tasks() or train
             if config.start_from:
                 model, tokenizer, results = self.reuse_sft(config.start_from)
             else:
@@ -120,7 +126,7 @@ class Pipeline:
                 self.sft(model, tokenizer, examples, "sft")
                 results["sft"] = await self.evaluate("sft", model, tokenizer, heldout)
             sft_weights = copy.deepcopy(model.state_dict())
-            await self.rl(model, tokenizer, train, config.rl.get("sampler", "bar"), "rl")
+            await self.rl(model, tokenizer, rl_pool, config.rl.get("sampler", "bar"), "rl")
             results["sft+rl"] = await self.evaluate("sft+rl", model, tokenizer, heldout)
             if ablations and not config.start_from:
                 other = "credit" if config.sft_data == "resolved" else "resolved"
@@ -130,7 +136,7 @@ class Pipeline:
             if ablations:
                 for sampler in [s for s in SAMPLERS if s != config.rl.get("sampler", "bar")]:
                     model.load_state_dict(sft_weights)
-                    await self.rl(model, tokenizer, train, sampler, f"rl-{sampler}")
+                    await self.rl(model, tokenizer, rl_pool, sampler, f"rl-{sampler}")
                     results[f"sft+rl ({sampler})"] = await self.evaluate(f"sft+rl ({sampler})", model, tokenizer,
                                                                          heldout)
         self.report["results"] = results
@@ -156,6 +162,31 @@ class Pipeline:
         self._stage("tasks", started, train=len(train), heldout=len(heldout), image=image,
                     families=sorted({t.tags[0] for t in suite if t.tags}))
         return train, heldout
+
+    def make_rl_tasks(self) -> list:
+        """``rl_tasks`` training-split tasks that come after the suite's: the same families and
+        variants, other repositories, never seen by the expert or SFT, so RL meets tasks it has
+        not memorised (the original ran RL on tasks of their own, filtered by difficulty)."""
+        from orchard.pipeline.choice import choice_suite
+        from orchard.tasks import save_tasks
+        from orchard.tasks.generated import generate_suite
+
+        config = self.config
+        if not config.rl_tasks:
+            return []
+        started = time.perf_counter()
+        image = config.image or str(_default_image())
+        total = config.tasks + config.rl_tasks
+        while True:
+            fresh = [t for t in generate_suite(total, config.seed, image, config.heldout_fraction)[config.tasks:]
+                     if t.split == "train"]
+            if len(fresh) >= config.rl_tasks:
+                break
+            total += config.rl_tasks - len(fresh)
+        tasks = choice_suite(fresh[:config.rl_tasks], config.candidates, config.seed)
+        save_tasks(tasks, config.output_dir / "rl-tasks.jsonl")
+        self._stage("rl tasks", started, tasks=len(tasks), note="training split, generated after the suite's tasks")
+        return tasks
 
     def base_model(self, train: list) -> tuple[Any, Any]:
         started = time.perf_counter()

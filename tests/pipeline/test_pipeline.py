@@ -126,3 +126,24 @@ def test_orchard_pipeline_runs_end_to_end_with_tiny_budgets(orchard_backend_sett
     (tmp_path / "bad.yaml").write_text(yaml.safe_dump({**config, "epochs": 3}))
     bad = CliRunner().invoke(cli, ["pipeline", "--config", str(tmp_path / "bad.yaml")])
     assert bad.exit_code != 0 and "epochs" in bad.output
+
+
+def test_rl_tasks_are_training_tasks_that_sft_never_sees(kit_image, tmp_path):
+    from orchard.pipeline.run import Pipeline, PipelineConfig
+
+    def pools(out):
+        pipeline = Pipeline(PipelineConfig(output_dir=tmp_path / out, tasks=16, rl_tasks=7, image=kit_image),
+                            progress=False)
+        return pipeline.make_tasks(), pipeline.make_rl_tasks()
+
+    (train, heldout), rl = pools("a")
+    assert len(rl) == 7 and all(t.split == "train" and t.metadata["choice"] for t in rl)
+    assert not {t.task_id for t in rl} & {t.task_id for t in train + heldout}
+    assert not {t.files["README.md"] for t in rl} & {t.files["README.md"] for t in train}  # other repositories
+    pools("b")  # the same seed again: the same tasks, and the suite's own are unchanged by rl_tasks
+    for name in ("rl-tasks.jsonl", "tasks.jsonl"):
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()
+    alone = Pipeline(PipelineConfig(output_dir=tmp_path / "c", tasks=16, image=kit_image), progress=False)
+    assert alone.make_rl_tasks() == [] and alone.make_tasks() == (train, heldout)
+    with pytest.raises(ValueError, match="rl_tasks"):
+        PipelineConfig(output_dir=tmp_path / "d", rl_tasks=-1)
