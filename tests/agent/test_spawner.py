@@ -174,6 +174,12 @@ def test_a_stopped_spawner_degrades_to_orchard_enter(sandbox):
     pid = holder_pid(sandbox)
     os.kill(pid, signal.SIGSTOP)
     try:
+        # stopped for sure: a signal lands when the holder is next scheduled, and a command that
+        # the agent starts just before that runs with nobody left to report its end (CI, loaded)
+        deadline = time.monotonic() + 10
+        while Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] not in ("T", "t"):
+            assert time.monotonic() < deadline, "the holder never stopped"
+            time.sleep(0.01)
         started = time.monotonic()
         job = sandbox.exec("echo $PPID; echo ok")
         assert job.exit_code == 0 and job.stdout == "0\nok\n", job
@@ -207,14 +213,23 @@ ATTACK = r"""
 import ctypes, os, time
 time.sleep(0.5)  # the command that started us has ended: the next command's process waits now
 libc, me, lines = ctypes.CDLL(None, use_errno=True), os.getpid(), []
-for name in os.listdir("/proc"):
-    if name.isdigit() and int(name) not in (1, me):
-        pid = int(name)
-        attach = libc.ptrace(16, pid, 0, 0)
-        errno = ctypes.get_errno()
-        pidfd = libc.syscall(434, pid, 0)
-        taken = [libc.syscall(438, pidfd, fd, 0) for fd in range(8)] if pidfd >= 0 else []
-        lines.append(f"{pid} attach {attach} {errno} pidfd {pidfd} getfd {max(taken, default=-1)}")
+holder = open("/proc/1/cmdline", "rb").read()
+deadline = time.time() + 8
+while not lines and time.time() < deadline:  # the test's own polls take the waiting process now and then
+    for name in os.listdir("/proc"):
+        if name.isdigit() and int(name) not in (1, me):
+            pid = int(name)
+            try:
+                if open(f"/proc/{pid}/cmdline", "rb").read() != holder:
+                    continue  # a command (it exec'd), not a fork of the holder waiting for one
+            except OSError:
+                continue
+            attach = libc.ptrace(16, pid, 0, 0)
+            errno = ctypes.get_errno()
+            pidfd = libc.syscall(434, pid, 0)
+            taken = [libc.syscall(438, pidfd, fd, 0) for fd in range(8)] if pidfd >= 0 else []
+            lines.append(f"{pid} attach {attach} {errno} pidfd {pidfd} getfd {max(taken, default=-1)}")
+    time.sleep(0.02)
 open("/tmp/attack.out", "w").write("\n".join(lines) + "\nend\n")
 """
 
@@ -222,7 +237,7 @@ open("/tmp/attack.out", "w").write("\n".join(lines) + "\nend\n")
 def test_the_waiting_process_cannot_be_ptraced_or_robbed_of_its_socket(sandbox):
     sandbox.upload("/tmp/attack.py", ATTACK)
     assert sandbox.exec("python3 /tmp/attack.py >/dev/null 2>&1 &").exit_code == 0
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 20
     while "end" not in (report := sandbox.exec("cat /tmp/attack.out 2>/dev/null").stdout) and time.monotonic() < deadline:
         time.sleep(0.2)
     lines = [line for line in report.splitlines() if line != "end"]
@@ -417,3 +432,115 @@ def test_a_job_cgroup_being_filled_is_never_handed_out_twice(tmp_path):
     assert second not in (None, first)
     cgroup.release_job_dir(first)
     assert cgroup.job_dir() == first
+
+
+def _holder_answering_for(sock: socket.socket, pid: int, done: threading.Event) -> None:
+    """Answer one request as the holder's child would, for ``pid`` (a real process of this
+    PID namespace), and keep its control socket open until the test is done."""
+    _, ancdata, _, _ = sock.recvmsg(64, socket.CMSG_SPACE(4))
+    fds = array.array("i")
+    for _, _, value in ancdata:
+        fds.frombytes(value[:len(value) - len(value) % 4])
+    with socket.socket(fileno=fds[0]) as ctl:
+        ctl.sendmsg([b"p"], [(socket.SOL_SOCKET, socket.SCM_CREDENTIALS, struct.pack("iII", pid, 0, 0))])
+        done.wait(10)
+
+
+def test_a_slow_cgroup_move_never_stalls_the_agents_loop(tmp_path, monkeypatch):
+    """Moving a process into a cgroup waits for an RCU grace period on most hosts (10 ms here,
+    more on a busy one); the move of the next command's process runs beside the agent's loop,
+    so other sandboxes' calls never wait for it."""
+    import subprocess
+
+    import orchard.agent.spawner as spawner_module
+    from orchard.agent.cgroups import SandboxCgroup, move_into
+
+    def slow_move(group: Path, pid: int) -> None:
+        time.sleep(1.0)
+        move_into(group, pid)
+
+    monkeypatch.setattr(spawner_module, "move_into", slow_move)
+    waiting = subprocess.Popen(["sleep", "30"], start_new_session=True)  # stands for the prepared child
+
+    async def main() -> list[float]:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        (tmp_path / "job-0").mkdir()
+        (tmp_path / "job-0" / "cgroup.procs").write_text("")  # a directory, not a cgroup: the move is a file write
+        cgroup = SandboxCgroup(dirs={"pids": tmp_path}, job_controller="pids", job_dirs=[tmp_path / "job-0"])
+        client = SpawnerClient(ours, os.getpid(), cgroup)
+        done = threading.Event()
+        holder = threading.Thread(target=_holder_answering_for, args=(theirs, waiting.pid, done))
+        holder.start()
+        loop = asyncio.get_running_loop()
+        gaps: list[float] = []
+        try:
+            client.prepare()
+            task = client._next
+            assert task is not None
+            last = loop.time()
+            while not task.done():
+                await asyncio.sleep(0.01)
+                gaps.append(loop.time() - last)
+                last = loop.time()
+            assert task.result().spawned.pid == waiting.pid
+        finally:
+            client.close()  # discards the prepared process: kills it
+            await asyncio.sleep(0)
+            done.set()
+            await asyncio.to_thread(holder.join, 5)
+            theirs.close()
+        return gaps
+
+    gaps = asyncio.run(main())
+    assert waiting.wait(5) == -signal.SIGKILL
+    assert (tmp_path / "job-0" / "cgroup.procs").read_text() == f"{waiting.pid}\n"
+    assert sum(gaps) >= 1.0 and max(gaps) < 0.5  # the loop ran on while the move waited
+
+
+def test_a_job_group_is_not_handed_out_again_while_a_cancelled_move_into_it_runs(tmp_path, monkeypatch):
+    """The holder goes away while the prepared process is being moved into its job group: the
+    preparation ends, but the group stays reserved until the write has landed, so no other
+    command can be given a group a stale pid is about to be written into."""
+    import subprocess
+
+    import orchard.agent.spawner as spawner_module
+    from orchard.agent.cgroups import SandboxCgroup, move_into
+
+    moving = threading.Event()
+
+    def slow_move(group: Path, pid: int) -> None:
+        moving.set()
+        time.sleep(0.5)
+        move_into(group, pid)
+
+    monkeypatch.setattr(spawner_module, "move_into", slow_move)
+    waiting = subprocess.Popen(["sleep", "30"], start_new_session=True)
+    procs = tmp_path / "job-0" / "cgroup.procs"
+
+    async def main() -> list:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        (tmp_path / "job-0").mkdir()
+        procs.write_text("")
+        cgroup = SandboxCgroup(dirs={"pids": tmp_path}, job_controller="pids", job_dirs=[tmp_path / "job-0"])
+        client = SpawnerClient(ours, os.getpid(), cgroup)
+        done = threading.Event()
+        holder = threading.Thread(target=_holder_answering_for, args=(theirs, waiting.pid, done))
+        holder.start()
+        try:
+            client.prepare()
+            task = client._next
+            assert task is not None
+            await asyncio.to_thread(moving.wait, 5)
+            client.close()  # the holder went away mid-move
+            await asyncio.sleep(0.05)
+            during = cgroup.claim_job_dir()  # the next command's group, while the write is pending
+            await asyncio.wait([task], timeout=5)
+            return [during, procs.read_text(), task.cancelled()]
+        finally:
+            done.set()
+            await asyncio.to_thread(holder.join, 5)
+            theirs.close()
+
+    during, written, cancelled = asyncio.run(main())
+    assert during != tmp_path / "job-0"  # still reserved: the stale write had not landed
+    assert written == f"{waiting.pid}\n" and waiting.wait(5) == -signal.SIGKILL and cancelled
