@@ -149,7 +149,8 @@ class SandboxFiles:
                 if ours is not None:
                     ours.close()
             os.close(err_fd)
-            os.kill(pid, signal.SIGKILL)  # not yet reaped: the pid is still its
+            if not exited.done():  # not reaped yet: the pid is still the helper's
+                os.kill(pid, signal.SIGKILL)
             raise
         run = _HelperRun(pid, exited, reader, stdout_end, None, err_fd)
         if in_ours is not None:
@@ -226,15 +227,17 @@ class SandboxFiles:
     async def open_read(self, path: str, max_bytes: int = -1) -> tuple[str, int, AsyncIterator[bytes]]:
         """(absolute path, size on disk, the bytes as they are read) of a regular file."""
         full = await self._acquire(path)  # held until the caller has read the whole file (or stopped)
+        run: Optional[_HelperRun] = None
         try:
             run = await self._start(["read", full, str(max_bytes)])
             size = self._header(await run.stdout.readline())
             if size is None:
                 run.kill()
-                error = await self._failure(run, full)
-                run.close()
-                raise error
+                raise await self._failure(run, full)
         except BaseException:
+            if run is not None:  # also when cancelled: no helper or descriptor left behind
+                run.kill()
+                run.close()
             self._release()
             raise
 

@@ -56,7 +56,13 @@ async def pump_output(ws: WebSocket, session: PtySession) -> None:
         chunk = session.pending
         if not chunk:
             reading = asyncio.ensure_future(process.read(ptywire.OUTPUT_CHUNK))
-            await asyncio.wait([reading, ended], return_when=asyncio.FIRST_COMPLETED)
+            try:
+                await asyncio.wait([reading, ended], return_when=asyncio.FIRST_COMPLETED)
+            except asyncio.CancelledError:  # the client left: a read left behind would keep the
+                reading.cancel()  # master's number watched after it is closed (a later socket on it: EEXIST)
+                if reading.done() and not reading.cancelled() and reading.exception() is None:
+                    session.pending = reading.result()  # read already: kept for a reattach
+                raise
             if not reading.done():
                 reading.cancel()
                 break

@@ -66,6 +66,10 @@ async def spawn_holder(context: RuntimeContext, sandbox: SandboxState, argv: lis
     try:
         pid = os.posix_spawn(argv[0], argv, env, file_actions=actions, setsid=True,
                              setsigdef=(signal.SIGPIPE, signal.SIGXFSZ))
+    except OSError:
+        for fd in (ready_r, info_r, log_fd):
+            os.close(fd)
+        raise
     finally:
         for fd in (ready_w, info_w):
             os.close(fd)
