@@ -208,7 +208,13 @@ class PtyProcess:
             if group > 0 and self.pid_namespace is not None and _pid_namespace(group) == self.pid_namespace:
                 try:
                     os.killpg(group, sig)
-                except (ProcessLookupError, PermissionError):
+                except ProcessLookupError:
+                    if group == self.pid:  # just forked, not yet its group's leader (setsid comes first
+                        try:  # thing in the child, but the pid reaches us before): the process itself
+                            os.kill(self.pid, sig)
+                        except (ProcessLookupError, PermissionError):
+                            pass
+                except PermissionError:
                     pass
 
     def kill(self) -> None:

@@ -48,6 +48,9 @@ def test_sandboxes_die_with_their_pilot_job_however_it_ends(slurm_cluster, runti
     with slurm_client(settings) as client:
         sandbox = client.create(image)
         sandbox.exec(f"setsid sleep {mark} > /dev/null 2>&1 & echo started")
+        deadline = time.monotonic() + 10  # the command returns once the shell is done; `setsid` may not have
+        while not marked_sleepers(mark) and time.monotonic() < deadline:  # exec'd `sleep` yet (CI, loaded)
+            time.sleep(0.05)
         assert marked_sleepers(mark), "the sandbox's process did not start"
         (job,) = [line.split()[0] for line in squeue_jobs(settings["job_name"])]
         if kill == "job":

@@ -1,5 +1,6 @@
-"""A client that leaves an interactive process leaves no read of its terminal behind.
+"""Edges of interactive processes, with a real terminal and stand-ins for the rest.
 
+A client that leaves an interactive process leaves no read of its terminal behind:
 ``pump_output`` reads the terminal in a task of its own; when the client went, that task
 used to stay, waiting on the master with a reader registered. It swallowed what the process
 wrote while nobody was attached, and once the session closed the master, uvloop still watched
@@ -10,12 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import socket
+import subprocess
 from types import SimpleNamespace
 
 import uvloop
 
-from orchard.agent.pty_process import PtyProcess
+from orchard.agent.pty_process import PtyProcess, _pid_namespace
 from orchard.agent.pty_route import pump_output
 
 
@@ -48,3 +51,27 @@ def test_a_detached_client_leaves_no_read_behind():
     reads, kept = uvloop.run(main())
     assert reads == 0
     assert kept == b"written while detached\r\n"
+
+
+def test_a_signal_right_after_the_start_reaches_the_process():
+    """The helper sends the child's pid as soon as it forks; the child's first step is setsid,
+    so a signal sent at once could find no process group of that number and was dropped (a
+    TERM right after init left ``sleep 300`` running: CI saw it). Here the process is never a
+    group leader, the state that moment is in."""
+    sleeper = subprocess.Popen(["sleep", "30"])  # in our process group, not its own
+    try:
+        async def main() -> None:
+            loop = asyncio.get_running_loop()
+            master, terminal = os.openpty()
+            control, peer = socket.socketpair()
+            process = PtyProcess(master, control, os.getpid(), sleeper.pid, loop.create_future(),
+                                 pid_namespace=_pid_namespace(sleeper.pid))
+            process.signal(signal.SIGTERM)
+            process.close()
+            os.close(terminal)
+            peer.close()
+
+        asyncio.run(main())
+        assert sleeper.wait(timeout=10) == -signal.SIGTERM
+    finally:
+        sleeper.kill()
