@@ -180,10 +180,14 @@ class CgroupManager:
         self.agent_name = agent_name
         self.below_own = below_own
         self.mode, self.bases = self._detect()
-        # Trees below the agent's own cgroup go with it (a Slurm job's); the shared ones are claimed.
+        # Trees below the agent's own cgroup go with it (a Slurm job's); the shared ones are claimed,
+        # where this agent can make any (a container's read-only cgroupfs: none, and no claim file).
         self.ownership = CgroupOwnership(agent_name)
-        if self.bases and not below_own:
+        if self.bases and not below_own and self._writable():
             self.ownership.hold()
+
+    def _writable(self) -> bool:
+        return all(os.access(base.parent.parent, os.W_OK) for base in self.bases.values())
 
     @property
     def available(self) -> bool:
