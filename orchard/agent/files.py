@@ -78,6 +78,14 @@ class _HelperRun:
             self.stderr_fd = -1
 
 
+def _close_ours(out_ours: socket.socket, in_ours: Optional[socket.socket], err_fd: int) -> None:
+    """The agent's ends of a helper run that never got going."""
+    for ours in (out_ours, in_ours):
+        if ours is not None:
+            ours.close()
+    os.close(err_fd)
+
+
 class SandboxFiles:
     """File calls of one sandbox, each run inside it by the static helper."""
 
@@ -132,10 +140,7 @@ class SandboxFiles:
                 stdin_action, (os.POSIX_SPAWN_DUP2, out_theirs.fileno(), 1), (os.POSIX_SPAWN_DUP2, err_fd, 2),
             ], setsid=True, setsigdef=(signal.SIGPIPE, signal.SIGXFSZ))
         except OSError:
-            for ours in (out_ours, in_ours):
-                if ours is not None:
-                    ours.close()
-            os.close(err_fd)
+            _close_ours(out_ours, in_ours, err_fd)
             raise
         finally:
             for theirs in (out_theirs, in_theirs):
@@ -145,10 +150,7 @@ class SandboxFiles:
         try:
             reader, stdout_end = await asyncio.open_unix_connection(sock=out_ours, limit=1 << 20)
         except BaseException:
-            for ours in (out_ours, in_ours):
-                if ours is not None:
-                    ours.close()
-            os.close(err_fd)
+            _close_ours(out_ours, in_ours, err_fd)
             if not exited.done():  # not reaped yet: the pid is still the helper's
                 os.kill(pid, signal.SIGKILL)
             raise

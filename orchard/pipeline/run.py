@@ -2,8 +2,8 @@
 and success on held-out tasks after each stage (``orchard pipeline``).
 
 Stages, each writing into ``output_dir``: tasks (generated suite as choice tasks, train and
-held-out splits, and with ``rl_tasks`` a training pool of RL's own), base model (built and pre-trained here unless ``base_model`` names a
-checkpoint), expert trajectories (a scripted noisy expert in sandboxes), credit assignment
+held-out splits, and with ``rl_tasks`` a training pool of RL's own), base model (built and
+pre-trained here unless ``base_model`` names a checkpoint), expert trajectories (a scripted noisy expert in sandboxes), credit assignment
 (ground-truth values, named as such, unless a teacher endpoint is configured), SFT, RL, and
 an evaluation of base, SFT and SFT+RL on the held-out split. Every sandbox comes from the
 backend in the config; the report (JSON, Markdown, PNG) says what ran.
@@ -153,7 +153,7 @@ class Pipeline:
 
         started = time.perf_counter()
         config = self.config
-        image = config.image or str(_default_image())
+        image = self._image()
         suite = choice_suite(generate_suite(config.tasks, config.seed, image, config.heldout_fraction),
                              config.candidates, config.seed)
         save_tasks(suite, config.output_dir / "tasks.jsonl")
@@ -162,6 +162,9 @@ class Pipeline:
         self._stage("tasks", started, train=len(train), heldout=len(heldout), image=image,
                     families=sorted({t.tags[0] for t in suite if t.tags}))
         return train, heldout
+
+    def _image(self) -> str:
+        return self.config.image or str(_default_image())
 
     def make_rl_tasks(self) -> list:
         """``rl_tasks`` training-split tasks that come after the suite's: the same families and
@@ -175,7 +178,7 @@ class Pipeline:
         if not config.rl_tasks:
             return []
         started = time.perf_counter()
-        image = config.image or str(_default_image())
+        image = self._image()
         total = config.tasks + config.rl_tasks
         while True:
             fresh = [t for t in generate_suite(total, config.seed, image, config.heldout_fraction)[config.tasks:]
