@@ -20,7 +20,7 @@ from urllib.parse import quote
 
 from orchard.backends.api import RESET, SNAPSHOTS, AgentEndpoint, Backend, BackendConfig
 from orchard.client.http import ApiClient
-from orchard.errors import AgentUnreachable, InvalidRequest, OrchardError, SandboxLost, SnapshotNotFound
+from orchard.errors import AgentUnreachable, BackendUnavailable, InvalidRequest, OrchardError, SandboxLost, SnapshotNotFound
 from orchard.models import Sandbox, SandboxSpec, Snapshot, SnapshotRequest
 
 log = logging.getLogger("orchard.backends")
@@ -141,8 +141,14 @@ class AgentBackedBackend(Backend):
         try:
             if site.lost is not None:
                 raise SandboxLost(f"sandbox {spec.sandbox_id!r} cannot start: {site.lost}")
-            body = await self.forward(site, "POST", "/sandboxes", json_body=self.agent_spec(spec).model_dump(),
-                                      timeout=self.start_timeout(spec) + self.create_grace_seconds)
+            try:
+                body = await self.forward(site, "POST", "/sandboxes", json_body=self.agent_spec(spec).model_dump(),
+                                          timeout=self.start_timeout(spec) + self.create_grace_seconds)
+            except AgentUnreachable as exc:  # its job or pod may have ended under the create: say why
+                lost = (await self.recheck(site)).lost
+                if lost is None:
+                    raise
+                raise BackendUnavailable(f"sandbox {spec.sandbox_id!r} could not start: {lost}") from exc
         except BaseException:
             if fresh:  # a repeated create never undoes the first one's placement
                 await self.release(site, str(spec.sandbox_id), failed=True)
