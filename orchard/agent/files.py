@@ -86,6 +86,52 @@ def _close_ours(out_ours: socket.socket, in_ours: Optional[socket.socket], err_f
     os.close(err_fd)
 
 
+class _ReadStream:
+    """A download's bytes as the helper reads them. The helper and the slots are freed when
+    the stream ends, fails, is closed, or is dropped unread (a response never sent): an
+    async generator that never started would run no cleanup at all and keep them."""
+
+    def __init__(self, files: "SandboxFiles", run: _HelperRun, full: str) -> None:
+        self.files, self.run, self.full = files, run, full
+        self.loop = asyncio.get_running_loop()
+        self.done = False
+
+    def __aiter__(self) -> "_ReadStream":
+        return self
+
+    async def __anext__(self) -> bytes:
+        if self.done:
+            raise StopAsyncIteration
+        try:
+            chunk = await self.run.stdout.read(1 << 20)
+            if chunk:
+                return chunk
+            if await self.run.exited != 0:
+                raise await self.files._failure(self.run, self.full)
+        except BaseException:
+            self.finish()
+            raise
+        self.finish()
+        raise StopAsyncIteration
+
+    async def aclose(self) -> None:
+        self.finish()
+
+    def finish(self) -> None:
+        if not self.done:
+            self.done = True
+            self.run.kill()
+            self.run.close()
+            self.files._release()
+
+    def __del__(self) -> None:
+        if not self.done:  # on the loop's thread: the slots wake waiters there
+            try:
+                self.loop.call_soon_threadsafe(self.finish)
+            except RuntimeError:  # the loop is closed: nothing is left to free
+                pass
+
+
 class SandboxFiles:
     """File calls of one sandbox, each run inside it by the static helper."""
 
@@ -242,22 +288,7 @@ class SandboxFiles:
                 run.close()
             self._release()
             raise
-
-        async def chunks() -> AsyncIterator[bytes]:
-            try:
-                while True:
-                    chunk = await run.stdout.read(1 << 20)
-                    if not chunk:
-                        break
-                    yield chunk
-                if await run.exited != 0:
-                    raise await self._failure(run, full)
-            finally:
-                run.kill()
-                run.close()
-                self._release()
-
-        return full, size, chunks()
+        return full, size, _ReadStream(self, run, full)
 
     async def read(self, path: str, max_bytes: int) -> tuple[str, bytes]:
         full, _, chunks = await self.open_read(path, max_bytes)

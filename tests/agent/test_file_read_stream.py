@@ -1,0 +1,78 @@
+"""A download's stream frees its helper and its slots however it ends, even never read.
+
+The "helper" is a TEST DOUBLE (a shell that prints the read header and then waits, instead
+of ``orchard-enter --file``): what is under test is the agent's side of a download, the
+slots and the process. It runs in a child process, because the reaper makes its process a
+subreaper.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+SCRIPT = textwrap.dedent("""
+    import asyncio, gc, sys
+    import pytest
+    from types import SimpleNamespace
+    from orchard.agent.files import SandboxFiles
+    from orchard.agent.reaper import ChildReaper
+
+    class WaitingHelper:  # the test double: a read that sends its header and five bytes, then waits
+        def file_command(self, sandbox, op):
+            return ["/bin/sh", "-c", "printf 'ok 5\\\\nhello'; exec sleep 60"]
+
+    class RecordingReaper(ChildReaper):  # keeps the helper's exit, whatever the stream hides
+        def wait(self, pid):
+            self.last = super().wait(pid)
+            return self.last
+
+    async def main(how):
+        reaper = RecordingReaper()
+        reaper.install(asyncio.get_running_loop())
+        sandbox = SimpleNamespace(file_slots=asyncio.Semaphore(1), check_ready=lambda: None,
+                                  placement=SimpleNamespace(default_cwd="/workspace"))
+        agent_slots = asyncio.Semaphore(1)
+        files = SandboxFiles(WaitingHelper(), sandbox, reaper, agent_slots)
+        _, size, stream = await files.open_read("f")
+        exited = reaper.last
+        if how == "read-one":
+            assert await stream.__anext__() == b"hello"
+            await stream.aclose()
+        elif how == "dropped":  # a response that was never sent: the stream is never started
+            del stream
+            gc.collect()
+        elif how == "cancelled":  # a client gone mid-download: its read waits for more, and is cancelled
+            assert await stream.__anext__() == b"hello"
+            reading = asyncio.ensure_future(stream.__anext__())
+            await asyncio.sleep(0.05)
+            reading.cancel()
+            await asyncio.gather(reading, return_exceptions=True)
+            with pytest.raises(StopAsyncIteration):  # and it says so, not a read of a closed socket
+                await stream.__anext__()
+        code = await asyncio.wait_for(exited, 5)  # the helper was killed
+        await asyncio.wait_for(sandbox.file_slots.acquire(), 1)  # and both slots are free again
+        await asyncio.wait_for(agent_slots.acquire(), 1)
+        print(size, code)
+
+    asyncio.run(main(sys.argv[1]))
+""")
+
+
+def run(how: str) -> str:
+    result = subprocess.run([sys.executable, "-c", SCRIPT, how], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout.strip()
+
+
+def test_a_stream_never_read_frees_its_helper_and_slots():
+    assert run("dropped") == "5 137"
+
+
+def test_a_stream_closed_after_one_chunk_frees_them():
+    assert run("read-one") == "5 137"
+
+
+def test_a_stream_whose_read_was_cancelled_frees_them():
+    assert run("cancelled") == "5 137"
