@@ -14,9 +14,11 @@ class OrchardError(Exception):
     error_type = "internal"  # the job-level error_type this maps to, where it applies
     retryable = False  # would the same request, sent again, likely succeed? (clients retry only these)
 
-    def __init__(self, message: str = "") -> None:
+    def __init__(self, message: str = "", *, retryable: bool | None = None) -> None:
         super().__init__(message or self.__class__.__doc__ or self.__class__.__name__)
         self.message = str(self.args[0])
+        if retryable is not None:  # this one differs from its type's rule
+            self.retryable = retryable
 
     def to_body(self) -> dict:
         return {"detail": self.message,

@@ -104,9 +104,11 @@ class _ReadStream:
             raise StopAsyncIteration
         try:
             chunk = await self.run.stdout.read(1 << 20)
+            if self.done:  # closed while this read waited
+                raise StopAsyncIteration
             if chunk:
                 return chunk
-            if await self.run.exited != 0:
+            if await self.run.exited != 0 and not self.done:
                 raise await self.files._failure(self.run, self.full)
         except BaseException:
             self.finish()
@@ -120,16 +122,22 @@ class _ReadStream:
     def finish(self) -> None:
         if not self.done:
             self.done = True
-            self.run.kill()
-            self.run.close()
-            self.files._release()
+            try:
+                self.run.kill()
+                self.run.close()
+            finally:
+                self.files._release()
 
     def __del__(self) -> None:
         if not self.done:  # on the loop's thread: the slots wake waiters there
             try:
                 self.loop.call_soon_threadsafe(self.finish)
-            except RuntimeError:  # the loop is closed: nothing is left to free
-                pass
+            except RuntimeError:  # the loop is closed: no slot is left to free, the process is
+                self.done = True
+                self.run.kill()
+                if self.run.stderr_fd >= 0:
+                    os.close(self.run.stderr_fd)
+                    self.run.stderr_fd = -1
 
 
 class SandboxFiles:

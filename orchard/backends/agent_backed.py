@@ -145,10 +145,15 @@ class AgentBackedBackend(Backend):
                 body = await self.forward(site, "POST", "/sandboxes", json_body=self.agent_spec(spec).model_dump(),
                                           timeout=self.start_timeout(spec) + self.create_grace_seconds)
             except AgentUnreachable as exc:  # its job or pod may have ended under the create: say why
-                lost = (await self.recheck(site)).lost
+                try:
+                    lost = (await self.recheck(site)).lost
+                except Exception:  # the scheduler cannot say either: the agent's error stands
+                    raise exc from None
                 if lost is None:
                     raise
-                raise BackendUnavailable(f"sandbox {spec.sandbox_id!r} could not start: {lost}") from exc
+                # Sent again, the create is placed afresh (this placement is released below).
+                raise BackendUnavailable(f"sandbox {spec.sandbox_id!r} could not start: {lost}",
+                                         retryable=True) from exc
         except BaseException:
             if fresh:  # a repeated create never undoes the first one's placement
                 await self.release(site, str(spec.sandbox_id), failed=True)

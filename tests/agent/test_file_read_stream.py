@@ -18,9 +18,12 @@ SCRIPT = textwrap.dedent("""
     from types import SimpleNamespace
     from orchard.agent.files import SandboxFiles
     from orchard.agent.reaper import ChildReaper
+    from orchard.errors import FileOperationFailed
 
     class WaitingHelper:  # the test double: a read that sends its header and five bytes, then waits
         def file_command(self, sandbox, op):
+            if sys.argv[1] == "fails":  # or fails after them, as the real helper reports it
+                return ["/bin/sh", "-c", "printf 'ok 5\\\\nhello'; echo 'orchard-file: E5' >&2; exit 3"]
             return ["/bin/sh", "-c", "printf 'ok 5\\\\nhello'; exec sleep 60"]
 
     class RecordingReaper(ChildReaper):  # keeps the helper's exit, whatever the stream hides
@@ -51,9 +54,14 @@ SCRIPT = textwrap.dedent("""
             await asyncio.gather(reading, return_exceptions=True)
             with pytest.raises(StopAsyncIteration):  # and it says so, not a read of a closed socket
                 await stream.__anext__()
-        code = await asyncio.wait_for(exited, 5)  # the helper was killed
-        await asyncio.wait_for(sandbox.file_slots.acquire(), 1)  # and both slots are free again
-        await asyncio.wait_for(agent_slots.acquire(), 1)
+        elif how == "fails":
+            assert await stream.__anext__() == b"hello"
+            with pytest.raises(FileOperationFailed, match="f: Input/output error"):
+                await stream.__anext__()
+            await stream.aclose()  # and closing it after changes nothing
+        code = await asyncio.wait_for(exited, 5)  # the helper was killed (or ended)
+        await asyncio.sleep(0)  # a dropped stream frees them on the loop's next turn
+        assert (sandbox.file_slots._value, agent_slots._value) == (1, 1)  # both free again, once each
         print(size, code)
 
     asyncio.run(main(sys.argv[1]))
@@ -76,3 +84,7 @@ def test_a_stream_closed_after_one_chunk_frees_them():
 
 def test_a_stream_whose_read_was_cancelled_frees_them():
     assert run("cancelled") == "5 137"
+
+
+def test_a_stream_whose_helper_fails_raises_its_error_and_frees_them_once():
+    assert run("fails") == "5 3"

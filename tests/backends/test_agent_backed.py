@@ -40,6 +40,8 @@ class SiteThatGoesAway(AgentBackedBackend):
         return [self._site()]
 
     async def recheck(self, site: AgentSite) -> AgentSite:
+        if self.lost_on_recheck == "scheduler down":
+            raise BackendUnavailable("squeue did not answer within 15 s")
         return self._site(self.lost_on_recheck)
 
     async def release(self, site: AgentSite, sandbox_id: str, *, failed: bool = False) -> None:
@@ -68,12 +70,19 @@ def test_an_agent_whose_job_ended_under_the_create_says_why(refused_url):
     backend = SiteThatGoesAway(refused_url, "its pilot, Slurm job 7, stopped on SIGUSR2 (time limit near)")
     with pytest.raises(BackendUnavailable, match="sbx-a.*stopped on SIGUSR2") as caught:
         create(backend)
-    assert caught.value.status_code == 503
+    assert caught.value.status_code == 503 and caught.value.to_body()["error"]["retryable"]  # placed afresh when sent again
     assert backend.released == [("sbx-a", True)]
 
 
 def test_an_agent_unreachable_for_no_known_reason_stays_unreachable(refused_url):
     backend = SiteThatGoesAway(refused_url, None)
     with pytest.raises(AgentUnreachable):
+        create(backend)
+    assert backend.released == [("sbx-a", True)]
+
+
+def test_a_scheduler_that_cannot_say_why_leaves_the_agents_error(refused_url):
+    backend = SiteThatGoesAway(refused_url, "scheduler down")
+    with pytest.raises(AgentUnreachable, match="127.0.0.1"):
         create(backend)
     assert backend.released == [("sbx-a", True)]
