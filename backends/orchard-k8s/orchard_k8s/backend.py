@@ -90,13 +90,20 @@ class KubernetesBackend(AgentBackedBackend):
 
     async def _call(self, method: Callable[..., Any], *args: Any, exists_ok: bool = False,
                     missing_ok: bool = False, **kwargs: Any) -> Any:
-        """One API request, retried with backoff when the server is busy (429) or failing (5xx)."""
+        """One API request, retried with backoff when the server is busy (429), failing (5xx) or
+        its connection fails (no answer at all)."""
         from kubernetes.client.exceptions import ApiException
+        from urllib3.exceptions import HTTPError
 
         for attempt in range(self.config.api_retries + 1):
             self.api_calls += 1
             try:
                 return await asyncio.to_thread(method, *args, **kwargs)
+            except HTTPError as exc:  # the connection failed (a pooled one the server closed): no answer
+                # Sent again: a create that did land answers 409, which every caller here handles.
+                if attempt == self.config.api_retries:
+                    raise BackendUnavailable(f"Kubernetes API unreachable: {exc}", retryable=True) from None
+                await asyncio.sleep(min(5.0, 0.1 * 2 ** attempt))
             except ApiException as exc:
                 if exc.status == 409 and exists_ok or exc.status == 404 and missing_ok:
                     return None

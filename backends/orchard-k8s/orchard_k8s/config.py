@@ -31,4 +31,4 @@ class K8sConfig(BackendConfig):
     read_only_root: bool = Field(False, description="read-only root filesystem (/tmp and the workdir stay writable)")
     create_concurrency: int = Field(32, ge=1, description="pod creations in flight at once")
     start_timeout: float = Field(300.0, gt=0, description="seconds a pod may take to be ready (image pulls included)")
-    api_retries: int = Field(5, ge=0, description="retries of an API call answered 429 or 5xx (with backoff)")
+    api_retries: int = Field(5, ge=0, description="retries of an API call answered 429 or 5xx, or whose connection failed (with backoff)")
