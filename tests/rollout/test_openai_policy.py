@@ -142,10 +142,12 @@ def test_rate_limits_are_retried(double):
 
 
 def test_a_timeout_is_retried(double):
-    double.faults = [Fault(delay=1.0, then_answer=True)]
+    # The late answer says something of its own: which request the double answers first
+    # depends on timing (a stalled CI machine once let the timed-out one take the scripted "ls").
+    double.faults = [Fault(delay=1.0, then_answer=True, late_reply=bash_block("echo late"))]
     started = time.monotonic()
     _, generations = run(episode(policy_for(double, timeout=0.2), []))
-    assert generations[0].text == bash_block("ls")  # the retry was answered while the timed-out one still slept
+    assert generations[0].text == bash_block("ls")  # the retry's answer, never the timed-out one's
     assert len(double.requests) == 2 and time.monotonic() - started < 5
 
 

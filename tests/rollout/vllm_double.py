@@ -35,6 +35,7 @@ class Fault:
     headers: dict[str, str] = field(default_factory=dict)
     delay: float = 0.0  # seconds before answering (past the client's timeout: a timeout)
     then_answer: bool = False  # after the delay, answer normally
+    late_reply: Optional[str] = None  # what a late answer says (not taken from the scripted replies)
 
 
 class VLLMDouble:
@@ -78,14 +79,16 @@ class VLLMDouble:
                     return Response(fault.body, status_code=fault.status, headers=fault.headers,
                                     media_type="application/json")
                 return JSONResponse(fault.body, status_code=fault.status, headers=fault.headers)
+            return JSONResponse(self.answer(body, fault.late_reply))
         return JSONResponse(self.answer(body))
 
-    def answer(self, body: dict[str, Any]) -> dict[str, Any]:
+    def answer(self, body: dict[str, Any], reply: Optional[str] = None) -> dict[str, Any]:
         messages = body["messages"]
         if self.rewrite_history:
             messages = [dict(m, content="") if m["role"] == "assistant" else m for m in messages]
         prompt = self.render(messages)
-        reply = self.replies.pop(0) if self.replies else "```bash\nsubmit\n```"
+        if reply is None:
+            reply = self.replies.pop(0) if self.replies else "```bash\nsubmit\n```"
         tokens = self.encode(reply) + [self.end_of_turn]
         finish = "stop"
         if len(tokens) > body.get("max_tokens", 1 << 30):
