@@ -4,9 +4,10 @@ Transient failures (connection refused or reset, 503) are retried with exponenti
 backoff, but only for calls that are safe to repeat; exec is made safe by a job id
 chosen on the client, so a retried exec never runs twice.
 
-Built on aiohttp's client: every command crosses two such clients (SDK -> server ->
-agent), and its C HTTP parser on plain asyncio costs ~0.2 ms of CPU a request where
-httpcore (h11 over anyio) cost 0.9-1.5 ms (`docs/benchmarks.md`).
+Every command crosses two such clients (SDK -> server -> agent). Small calls over plain
+HTTP (exec above all) go through :mod:`orchard.client.lean_http`, about 0.06 ms of CPU a
+call; TLS, streamed bodies, downloads, NDJSON streams and WebSockets through aiohttp's
+client, about 0.2 ms (httpcore, h11 over anyio, cost 0.9-1.5 ms: `docs/benchmarks.md`).
 """
 
 from __future__ import annotations
@@ -17,14 +18,15 @@ import json
 import random
 import ssl
 from typing import Any, AsyncIterator, Optional, Union
-from urllib.parse import urlencode
+from urllib.parse import urlencode, urlsplit
 
 import aiohttp
 
+from orchard.client.lean_http import SAFE_HEADER_VALUE, SAFE_TARGET, LeanConnectionError, LeanPool
 from orchard.errors import AgentUnreachable, InternalError, OrchardError, error_from_body
 
 TRANSIENT_STATUS = {502, 503, 504}
-TRANSIENT_ERRORS = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError)
+TRANSIENT_ERRORS = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, LeanConnectionError)
 CONNECT_TIMEOUT = 10.0
 
 
@@ -79,6 +81,14 @@ async def _in_chunks(body: bytes, size: int = 1 << 20) -> AsyncIterator[bytes]:
         yield view[start:start + size]
 
 
+def _lean_address(origin: str, uds: Optional[str]) -> tuple[str, str, tuple[str, int]]:
+    """The Host line every lean request carries, the path the origin mounts the API at,
+    and where it connects."""
+    parts = urlsplit(origin)
+    host = f"host: {parts.netloc if uds is None else 'orchard-agent'}"
+    return host, parts.path.rstrip("/"), (parts.hostname or "", parts.port or 80)
+
+
 class ScopedApi:
     """An ApiClient that sends its own key with every call (a per-sandbox agent token)."""
 
@@ -119,6 +129,10 @@ class ApiClient:
         if api_key:
             self.headers["x-api-key"] = api_key
         self._session: Optional[aiohttp.ClientSession] = None
+        self._lean: Optional[LeanPool] = None
+        self._lean_host: Optional[str] = None  # None: every call goes through aiohttp (TLS)
+        if self.uds is not None or self.origin.startswith("http://"):
+            self._lean_host, self._lean_prefix, self._lean_at = _lean_address(self.origin, self.uds)
 
     def _open(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
@@ -133,9 +147,33 @@ class ApiClient:
         return self._session
 
     async def close(self) -> None:
+        if self._lean is not None:
+            self._lean.close()
+            self._lean = None
         if self._session is not None:
             await self._session.close()
             self._session = None
+
+    def _lean_request(self, method: str, url: str, headers: dict, body: Any) -> Optional[bytes]:
+        """The whole request as bytes when the lean client can send it (else None: aiohttp)."""
+        if self._lean_host is None or not (body is None or isinstance(body, bytes) and len(body) <= STREAM_ABOVE):
+            return None
+        target = self._lean_prefix + url[len(self.origin):]
+        if method not in ("GET", "POST", "PUT", "DELETE", "PATCH") or not SAFE_TARGET.fullmatch(target):
+            return None
+        lines = [f"{method} {target} HTTP/1.1", self._lean_host]
+        for name, value in {**self.headers, **{k.lower(): v for k, v in headers.items()}}.items():
+            if not (SAFE_TARGET.fullmatch(name) and SAFE_HEADER_VALUE.fullmatch(str(value))):
+                return None  # aiohttp refuses it, or encodes it as it does
+            lines.append(f"{name}: {value}")
+        lines.append(f"content-length: {len(body or b'')}\r\n\r\n")
+        return "\r\n".join(lines).encode("latin-1") + (body or b"")
+
+    def _lean_pool(self) -> LeanPool:
+        if self._lean is None or self._lean.closed or self._lean.loop is not asyncio.get_running_loop():
+            host, port = self._lean_at
+            self._lean = LeanPool(host, port, self.uds, self.max_connections)
+        return self._lean
 
     def _prepare(self, path: str, params: Optional[dict], json_body: Any, content: Any,
                  headers: Optional[dict], timeout: Optional[float]) -> tuple[str, dict, Any, Any]:
@@ -157,14 +195,22 @@ class ApiClient:
         url, all_headers, body, limits = self._prepare(path, params, json_body, content, headers, timeout)
         if content is not None and not isinstance(content, bytes):
             idempotent = False
-        session = self._open()
+        cap = None if raw_response else MAX_JSON_ANSWER
+        lean = self._lean_request(method, url, all_headers, body)
         attempt = 0
         while True:
             try:
-                payload = _in_chunks(body) if isinstance(body, bytes) and len(body) > STREAM_ABOVE else body
-                async with session.request(method, url, data=payload, headers=all_headers, timeout=limits) as response:
-                    status, payload = response.status, await _read_capped(response, None if raw_response else
-                                                                           MAX_JSON_ANSWER, f"{self.url}{path}")
+                if lean is not None:
+                    try:
+                        status, payload = await self._lean_pool().send(lean, cap, limits.sock_read, CONNECT_TIMEOUT,
+                                                                       retry_stale=idempotent)
+                    except InternalError as exc:  # the answer was over the cap
+                        raise InternalError(f"{self.url}{path}: {exc}") from None
+                else:
+                    payload = _in_chunks(body) if isinstance(body, bytes) and len(body) > STREAM_ABOVE else body
+                    async with self._open().request(method, url, data=payload, headers=all_headers,
+                                                    timeout=limits) as response:
+                        status, payload = response.status, await _read_capped(response, cap, f"{self.url}{path}")
             except asyncio.TimeoutError as exc:
                 if not idempotent or attempt >= self.retries:
                     raise AgentUnreachable(f"{self.url}{path}: timed out ({type(exc).__name__})") from None

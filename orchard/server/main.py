@@ -30,5 +30,7 @@ def serve(config: ServerConfig) -> None:
         log.warning("no API key set: every caller is trusted (set --api-key or ORCHARD_API_KEY)")
     log.info("starting", extra={"fields": {"host": config.host, "port": config.port, "backend": config.backend.name,
                                            "state": str(config.state)}})
+    # proxy_headers off: nothing here reads the client's address, and rewriting it cost
+    # about 2% of the server's CPU per call
     uvicorn.run(app, host=config.host, port=config.port, log_level="warning", access_log=False,
-                timeout_keep_alive=60, backlog=4096, log_config=None)
+                timeout_keep_alive=60, backlog=4096, log_config=None, proxy_headers=False)

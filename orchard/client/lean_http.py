@@ -1,0 +1,212 @@
+"""Keep-alive HTTP/1.1 for the SDK's and the server's small JSON calls, on asyncio's
+protocols and httptools' parser (the one uvicorn serves with).
+
+Every command through the server crosses two HTTP clients (SDK -> server -> agent). On
+aiohttp's client each call cost about 0.2 ms of CPU; this one costs about 0.06 ms
+(docs/benchmarks.md). It does only what those calls need: a request whose head and body
+are bytes in hand, one answer read whole (capped), plain TCP or a Unix socket. TLS,
+streamed bodies, downloads, NDJSON streams and WebSockets stay on aiohttp
+(:mod:`orchard.client.http` picks).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+from collections import deque
+from typing import Optional
+
+import httptools
+
+from orchard.errors import InternalError
+
+IDLE_REUSE_SECONDS = 50.0  # both our servers keep an idle connection for 60 s
+SAFE_TARGET = re.compile(r"[A-Za-z0-9/_.~!$&'()*+,;=:@%?-]+")  # sent as is; anything else goes to aiohttp
+SAFE_HEADER_VALUE = re.compile(r"[\x20-\x7e]*")
+
+
+class LeanConnectionError(ConnectionError):
+    """The connection failed before a whole answer arrived; ``sent_nothing_back`` says no
+    byte of an answer came (then a reused connection was stale, and a retry is safe)."""
+
+    def __init__(self, message: str, sent_nothing_back: bool = False) -> None:
+        super().__init__(message)
+        self.sent_nothing_back = sent_nothing_back
+
+
+class _Connection(asyncio.Protocol):
+    """One connection and the one answer it is waiting for."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.transport: Optional[asyncio.Transport] = None
+        self.parser = httptools.HttpResponseParser(self)
+        self.closed = False
+        self.idle_since = time.monotonic()
+        self._reset(None, None)
+
+    def _reset(self, waiter: "Optional[asyncio.Future[tuple[int, bytes]]]", cap: Optional[int]) -> None:
+        self.waiter, self.cap = waiter, cap
+        self.body: list[bytes] = []
+        self.size = 0
+        self.answered = False  # a byte of the answer came
+        self.headers_done = False
+        self.until_close = False  # neither a length nor chunks: the body ends with the connection
+        self.framed = False
+        self.keep_alive = False  # read when the answer is complete: the parser forgets it after
+        self.last_data = self.loop.time()
+
+    # -- asyncio.Protocol ----------------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        self.answered = True
+        self.last_data = self.loop.time()
+        if self.waiter is None:  # nothing asked: a server talking out of turn
+            self.close()
+            return
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            self._fail(LeanConnectionError("the server switched protocols on a plain call"))
+        except httptools.HttpParserError as exc:
+            self._fail(LeanConnectionError(f"malformed HTTP answer: {exc}"))
+
+    def connection_lost(self, exc: Optional[Exception]) -> None:
+        self.closed = True
+        if self.waiter is not None and not self.waiter.done():
+            if self.headers_done and self.until_close:
+                self._finish()
+            else:
+                self.waiter.set_exception(LeanConnectionError(
+                    f"the connection closed before the whole answer ({exc or 'closed by the server'})",
+                    sent_nothing_back=not self.answered))
+
+    # -- httptools callbacks -------------------------------------------------------
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if name.lower() in (b"content-length", b"transfer-encoding"):
+            self.framed = True
+
+    def on_headers_complete(self) -> None:
+        self.headers_done = True
+        self.until_close = not self.framed
+
+    def on_body(self, body: bytes) -> None:
+        self.size += len(body)
+        if self.cap is not None and self.size > self.cap:
+            self._fail(InternalError(f"answered more than {self.cap} bytes; refused"))
+            return
+        self.body.append(body)
+
+    def on_message_complete(self) -> None:
+        self.keep_alive = self.parser.should_keep_alive()
+        self._finish()
+
+    # -- ours ----------------------------------------------------------------------
+    def _finish(self) -> None:
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result((self.parser.get_status_code(), b"".join(self.body)))
+
+    def _fail(self, exc: Exception) -> None:
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_exception(exc)
+        self.close()
+
+    def close(self) -> None:
+        self.closed = True
+        if self.transport is not None:
+            self.transport.abort()
+
+    def reusable(self) -> bool:
+        return (not self.closed and self.keep_alive and not self.until_close
+                and not self.transport.is_closing())  # type: ignore[union-attr]
+
+    async def exchange(self, data: bytes, cap: Optional[int], timeout: float) -> tuple[int, bytes]:
+        """Send ``data`` (a whole request) and read its answer; a silence of ``timeout``
+        seconds raises asyncio.TimeoutError. Afterwards, ``reusable()`` says whether the
+        connection can take another request."""
+        waiter: asyncio.Future[tuple[int, bytes]] = self.loop.create_future()
+        self._reset(waiter, cap)
+        timer = self.loop.call_later(timeout, self._check_silence, waiter, timeout)
+        try:
+            self.transport.write(data)  # type: ignore[union-attr]
+            return await waiter
+        except BaseException:
+            self.close()  # half an exchange: nobody knows what the next bytes would belong to
+            raise
+        finally:
+            timer.cancel()
+            self.waiter = None
+
+    def _check_silence(self, waiter: "asyncio.Future[tuple[int, bytes]]", timeout: float) -> None:
+        if waiter.done():
+            return
+        quiet = self.loop.time() - self.last_data
+        if quiet >= timeout:
+            waiter.set_exception(asyncio.TimeoutError())
+        else:  # data came meanwhile: wait out the rest of the silence from the last byte
+            self.loop.call_later(timeout - quiet, self._check_silence, waiter, timeout)
+
+
+class LeanPool:
+    """Keep-alive connections to one origin, at most ``limit`` open at once."""
+
+    def __init__(self, host: str, port: int, uds: Optional[str], limit: int) -> None:
+        self.host, self.port, self.uds = host, port, uds
+        self.loop = asyncio.get_running_loop()
+        self.idle: deque[_Connection] = deque()
+        self.slots = asyncio.Semaphore(limit)
+        self.closed = False
+
+    async def _connect(self, connect_timeout: float) -> _Connection:
+        factory = lambda: _Connection(self.loop)  # noqa: E731
+        try:
+            if self.uds is not None:
+                opening = self.loop.create_unix_connection(factory, self.uds)
+            else:
+                opening = self.loop.create_connection(factory, self.host, self.port)
+            _, connection = await asyncio.wait_for(opening, connect_timeout)
+        except (OSError, asyncio.TimeoutError) as exc:
+            where = self.uds if self.uds is not None else f"{self.host}:{self.port}"
+            raise LeanConnectionError(f"Cannot connect to {where}: {exc}") from None
+        return connection  # type: ignore[return-value]
+
+    def _reuse(self) -> Optional[_Connection]:
+        now = time.monotonic()
+        while self.idle:
+            connection = self.idle.pop()  # the most recently used: the least likely to be stale
+            if connection.reusable() and now - connection.idle_since < IDLE_REUSE_SECONDS:
+                return connection
+            connection.close()
+        return None
+
+    async def send(self, data: bytes, cap: Optional[int], timeout: float, connect_timeout: float,
+                   retry_stale: bool) -> tuple[int, bytes]:
+        """One request, its answer: (status, body). A reused connection that turns out to have
+        been closed by the server before answering is replaced once when ``retry_stale``."""
+        async with self.slots:
+            connection = self._reuse()
+            reused = connection is not None
+            while True:
+                if connection is None:
+                    connection = await self._connect(connect_timeout)
+                try:
+                    answer = await connection.exchange(data, cap, timeout)
+                except LeanConnectionError as exc:
+                    if reused and retry_stale and exc.sent_nothing_back:
+                        connection, reused = None, False
+                        continue
+                    raise
+                if connection.reusable() and not self.closed:
+                    connection.idle_since = time.monotonic()
+                    self.idle.append(connection)
+                else:
+                    connection.close()
+                return answer
+
+    def close(self) -> None:
+        self.closed = True
+        while self.idle:
+            self.idle.pop().close()
