@@ -306,3 +306,151 @@ def test_header_values_that_would_split_the_request_are_never_sent_raw():
 
     run(keep_alive(requests), calls)
     assert all("stolen" not in json.dumps(r[1]) for r in requests)
+
+
+# -- what a hostile review found (a server beside hostile code may answer anything) --------
+
+def test_an_endless_answer_head_is_refused_early_without_stalling_the_loop():
+    async def endless(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nx-big: ")
+        for _ in range(64):  # 16 MiB of one header value, if anyone kept reading
+            writer.write(b"a" * (256 << 10))
+            await writer.drain()
+
+    async def calls(client: ApiClient, server: RawServer) -> object:
+        loop = asyncio.get_running_loop()
+        worst, stop = 0.0, False
+
+        async def ticker() -> None:
+            nonlocal worst
+            while not stop:
+                start = loop.time()
+                await asyncio.sleep(0.001)
+                worst = max(worst, loop.time() - start)
+
+        watching = asyncio.ensure_future(ticker())
+        try:
+            with pytest.raises(AgentUnreachable, match="head of more than"):
+                await client.request("GET", "/x")
+        finally:
+            stop = True
+            await watching
+        return worst
+
+    worst, _ = run(endless, calls, retries=0)
+    assert worst < 0.1
+
+
+def test_an_informational_answer_is_followed_by_the_real_one():
+    async def early_hints(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
+        while True:
+            await read_request(reader)
+            writer.write(b"HTTP/1.1 103 Early Hints\r\nlink: </a>\r\n\r\n" + answer(b'"real"'))
+            await writer.drain()
+
+    results, server = run(early_hints, lambda client, server: asyncio.gather(
+        client.request("GET", "/x"), client.request("GET", "/x")))
+    assert results == ["real", "real"]
+
+
+def test_bytes_after_a_whole_answer_never_become_the_next_calls_answer():
+    async def talks_too_much(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
+        while True:
+            await read_request(reader)
+            writer.write(answer(b'"one"') + b'HTTP/1.1 200 OK\r\ncontent-length: 9\r\n\r\n"smugg')
+            await writer.drain()
+
+    async def calls(client: ApiClient, server: RawServer) -> object:
+        return [await client.request("GET", "/x") for _ in range(3)]
+
+    results, server = run(talks_too_much, calls)
+    assert results == ["one"] * 3 and server.connections == 3
+
+
+def test_answers_without_a_body_keep_their_connection():
+    async def no_content(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
+        while True:
+            await read_request(reader)
+            writer.write(b"HTTP/1.1 204 No Content\r\n\r\n")
+            await writer.drain()
+
+    async def calls(client: ApiClient, server: RawServer) -> object:
+        return [await client.request("DELETE", "/x", raw_response=True) for _ in range(3)]
+
+    results, server = run(no_content, calls)
+    assert results == [b""] * 3 and server.connections == 1
+
+
+def test_no_silence_timer_outlives_its_call():
+    async def trickle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\n")
+        for piece in (b"[1", b",2", b"]"):
+            await asyncio.sleep(0.08)
+            writer.write(piece)
+            await writer.drain()
+
+    async def calls(client: ApiClient, server: RawServer) -> object:
+        await client.request("GET", "/x", timeout=0.1)
+        scheduled = asyncio.get_running_loop()._scheduled  # type: ignore[attr-defined]
+        return [h for h in scheduled if not h.cancelled() and "_check_silence" in repr(h)]
+
+    left, _ = run(trickle, calls, retries=0)
+    assert left == []
+
+
+def test_a_callers_own_framing_headers_and_credentials_go_to_aiohttp():
+    requests: list = []
+
+    async def calls(client: ApiClient, server: RawServer) -> object:
+        await client.request("GET", "/x", headers={"Host": "elsewhere"})
+        return client._lean_request("GET", client.origin + "/x", {"transfer-encoding": "chunked"}, None)
+
+    lean, _ = run(keep_alive(requests), calls)
+    assert lean is None
+    assert [h["host"] for _, h, _ in requests] == ["elsewhere"]
+    assert ApiClient("http://user:pw@127.0.0.1:9/")._lean_host is None
+    assert ApiClient("http://127.0.0.1:99999/")._lean_host is None  # aiohttp names the bad port when called
+
+
+def test_a_raw_answer_is_capped_when_the_caller_asks():
+    async def big(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
+        while True:
+            await read_request(reader)
+            writer.write(answer(b"x" * 5000))
+            await writer.drain()
+
+    async def calls(client: ApiClient, server: RawServer) -> object:
+        with pytest.raises(InternalError, match="more than 1000 bytes"):
+            await client.request("POST", "/x", json_body={}, raw_response=True, answer_cap=1000)
+        return await client.request("POST", "/x", json_body={}, raw_response=True)
+
+    result, _ = run(big, calls)
+    assert result == b"x" * 5000
+
+
+def test_waiting_for_a_free_connection_is_bounded_like_a_connect(monkeypatch):
+    monkeypatch.setattr("orchard.client.http.CONNECT_TIMEOUT", 0.2)
+
+    async def stuck(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
+        await read_request(reader)
+        await asyncio.sleep(3)
+
+    async def calls(client: ApiClient, server: RawServer) -> object:
+        first = asyncio.ensure_future(client.request("GET", "/slow", timeout=5))
+        await asyncio.sleep(0.05)
+        start = asyncio.get_running_loop().time()
+        with pytest.raises(AgentUnreachable, match="no free connection"):
+            await client.request("GET", "/queued")
+        took = asyncio.get_running_loop().time() - start
+        first.cancel()
+        return took
+
+    took, _ = run(stuck, calls, max_connections=1, retries=0)
+    assert took < 1.5
+
+
+def test_no_read_timeout_means_none():
+    result, _ = run(keep_alive(), lambda client, server: client.request("GET", "/x"), timeout=None)
+    assert result["line"] == "GET /x HTTP/1.1"

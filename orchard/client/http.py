@@ -81,12 +81,22 @@ async def _in_chunks(body: bytes, size: int = 1 << 20) -> AsyncIterator[bytes]:
         yield view[start:start + size]
 
 
-def _lean_address(origin: str, uds: Optional[str]) -> tuple[str, str, tuple[str, int]]:
+FRAMING_HEADERS = {"host", "content-length", "transfer-encoding", "connection", "upgrade", "expect"}
+
+
+def _lean_address(origin: str, uds: Optional[str]) -> Optional[tuple[str, str, tuple[str, int]]]:
     """The Host line every lean request carries, the path the origin mounts the API at,
-    and where it connects."""
+    and where it connects; None for an origin the lean client leaves to aiohttp (one with
+    credentials, or a port that is no port: aiohttp says what is wrong with it)."""
     parts = urlsplit(origin)
+    try:
+        port = parts.port or 80
+    except ValueError:
+        return None
+    if parts.username is not None or parts.password is not None:
+        return None
     host = f"host: {parts.netloc if uds is None else 'orchard-agent'}"
-    return host, parts.path.rstrip("/"), (parts.hostname or "", parts.port or 80)
+    return host, parts.path.rstrip("/"), (parts.hostname or "", port)
 
 
 class ScopedApi:
@@ -131,8 +141,9 @@ class ApiClient:
         self._session: Optional[aiohttp.ClientSession] = None
         self._lean: Optional[LeanPool] = None
         self._lean_host: Optional[str] = None  # None: every call goes through aiohttp (TLS)
-        if self.uds is not None or self.origin.startswith("http://"):
-            self._lean_host, self._lean_prefix, self._lean_at = _lean_address(self.origin, self.uds)
+        lean = _lean_address(self.origin, self.uds) if self.uds is not None or self.origin.startswith("http://") else None
+        if lean is not None:
+            self._lean_host, self._lean_prefix, self._lean_at = lean
 
     def _open(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
@@ -163,14 +174,18 @@ class ApiClient:
             return None
         lines = [f"{method} {target} HTTP/1.1", self._lean_host]
         for name, value in {**self.headers, **{k.lower(): v for k, v in headers.items()}}.items():
-            if not (SAFE_TARGET.fullmatch(name) and SAFE_HEADER_VALUE.fullmatch(str(value))):
+            if not (isinstance(value, str) and SAFE_TARGET.fullmatch(name) and SAFE_HEADER_VALUE.fullmatch(value)):
                 return None  # aiohttp refuses it, or encodes it as it does
+            if name in FRAMING_HEADERS:
+                return None  # the lean client frames requests itself: a caller's own framing goes to aiohttp
             lines.append(f"{name}: {value}")
         lines.append(f"content-length: {len(body or b'')}\r\n\r\n")
         return "\r\n".join(lines).encode("latin-1") + (body or b"")
 
     def _lean_pool(self) -> LeanPool:
         if self._lean is None or self._lean.closed or self._lean.loop is not asyncio.get_running_loop():
+            if self._lean is not None and self._lean.loop.is_closed():
+                self._lean.forget()  # one asyncio.run after another: free the last one's sockets now
             host, port = self._lean_at
             self._lean = LeanPool(host, port, self.uds, self.max_connections)
         return self._lean
@@ -189,13 +204,15 @@ class ApiClient:
 
     async def request(self, method: str, path: str, *, json_body: Any = None, params: Optional[dict] = None,
                       headers: Optional[dict] = None, timeout: Optional[float] = None, idempotent: bool = True,
-                      content: Union[bytes, AsyncIterator[bytes], None] = None, raw_response: bool = False) -> Any:
+                      content: Union[bytes, AsyncIterator[bytes], None] = None, raw_response: bool = False,
+                      answer_cap: Optional[int] = None) -> Any:
         """JSON in and out by default; ``content`` sends bytes (or streams them: never retried,
-        a stream cannot be replayed), ``raw_response`` returns bytes."""
+        a stream cannot be replayed), ``raw_response`` returns bytes, at most ``answer_cap``
+        of them (a JSON answer: at most MAX_JSON_ANSWER)."""
         url, all_headers, body, limits = self._prepare(path, params, json_body, content, headers, timeout)
         if content is not None and not isinstance(content, bytes):
             idempotent = False
-        cap = None if raw_response else MAX_JSON_ANSWER
+        cap = answer_cap if raw_response else MAX_JSON_ANSWER
         lean = self._lean_request(method, url, all_headers, body)
         attempt = 0
         while True:

@@ -24,6 +24,7 @@ from orchard.errors import InternalError
 IDLE_REUSE_SECONDS = 50.0  # both our servers keep an idle connection for 60 s
 SAFE_TARGET = re.compile(r"[A-Za-z0-9/_.~!$&'()*+,;=:@%?-]+")  # sent as is; anything else goes to aiohttp
 SAFE_HEADER_VALUE = re.compile(r"[\x20-\x7e]*")
+MAX_HEAD = 64 << 10  # an answer's status line and headers (aiohttp: 8,190 bytes a line, 128 lines)
 
 
 class LeanConnectionError(ConnectionError):
@@ -44,6 +45,7 @@ class _Connection(asyncio.Protocol):
         self.parser = httptools.HttpResponseParser(self)
         self.closed = False
         self.idle_since = time.monotonic()
+        self.timer: Optional[asyncio.TimerHandle] = None
         self._reset(None, None)
 
     def _reset(self, waiter: "Optional[asyncio.Future[tuple[int, bytes]]]", cap: Optional[int]) -> None:
@@ -55,6 +57,8 @@ class _Connection(asyncio.Protocol):
         self.until_close = False  # neither a length nor chunks: the body ends with the connection
         self.framed = False
         self.keep_alive = False  # read when the answer is complete: the parser forgets it after
+        self.complete = False
+        self.head_size = 0
         self.last_data = self.loop.time()
 
     # -- asyncio.Protocol ----------------------------------------------------------
@@ -64,15 +68,21 @@ class _Connection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         self.answered = True
         self.last_data = self.loop.time()
-        if self.waiter is None:  # nothing asked: a server talking out of turn
+        if self.waiter is None or self.waiter.done():  # nothing (more) asked: talking out of turn
             self.close()
             return
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
             self._fail(LeanConnectionError("the server switched protocols on a plain call"))
+            return
         except httptools.HttpParserError as exc:
             self._fail(LeanConnectionError(f"malformed HTTP answer: {exc}"))
+            return
+        if not self.headers_done:  # counted after parsing: one read may hold a head and a large body
+            self.head_size += len(data)
+            if self.head_size > MAX_HEAD:  # the parser keeps a growing header by copying it: stop early
+                self._fail(LeanConnectionError(f"an answer's head of more than {MAX_HEAD} bytes"))
 
     def connection_lost(self, exc: Optional[Exception]) -> None:
         self.closed = True
@@ -89,9 +99,17 @@ class _Connection(asyncio.Protocol):
         if name.lower() in (b"content-length", b"transfer-encoding"):
             self.framed = True
 
+    def on_message_begin(self) -> None:
+        if self.complete:  # a second answer to one request
+            self._fail(LeanConnectionError("answered more than once"))
+
     def on_headers_complete(self) -> None:
+        status = self.parser.get_status_code()
+        if 100 <= status < 200 and status != 101:  # informational (100, 103): the real answer follows
+            self.framed = False
+            return
         self.headers_done = True
-        self.until_close = not self.framed
+        self.until_close = not self.framed and status not in (204, 304)
 
     def on_body(self, body: bytes) -> None:
         self.size += len(body)
@@ -101,6 +119,9 @@ class _Connection(asyncio.Protocol):
         self.body.append(body)
 
     def on_message_complete(self) -> None:
+        if not self.headers_done:  # the end of an informational answer
+            return
+        self.complete = True
         self.keep_alive = self.parser.should_keep_alive()
         self._finish()
 
@@ -120,16 +141,17 @@ class _Connection(asyncio.Protocol):
             self.transport.abort()
 
     def reusable(self) -> bool:
-        return (not self.closed and self.keep_alive and not self.until_close
+        return (not self.closed and self.complete and self.keep_alive and not self.until_close
                 and not self.transport.is_closing())  # type: ignore[union-attr]
 
-    async def exchange(self, data: bytes, cap: Optional[int], timeout: float) -> tuple[int, bytes]:
+    async def exchange(self, data: bytes, cap: Optional[int], timeout: Optional[float]) -> tuple[int, bytes]:
         """Send ``data`` (a whole request) and read its answer; a silence of ``timeout``
-        seconds raises asyncio.TimeoutError. Afterwards, ``reusable()`` says whether the
-        connection can take another request."""
+        seconds (None: no limit) raises asyncio.TimeoutError. Afterwards, ``reusable()`` says
+        whether the connection can take another request."""
         waiter: asyncio.Future[tuple[int, bytes]] = self.loop.create_future()
         self._reset(waiter, cap)
-        timer = self.loop.call_later(timeout, self._check_silence, waiter, timeout)
+        if timeout is not None:
+            self.timer = self.loop.call_later(timeout, self._check_silence, waiter, timeout)
         try:
             self.transport.write(data)  # type: ignore[union-attr]
             return await waiter
@@ -137,7 +159,9 @@ class _Connection(asyncio.Protocol):
             self.close()  # half an exchange: nobody knows what the next bytes would belong to
             raise
         finally:
-            timer.cancel()
+            if self.timer is not None:
+                self.timer.cancel()
+                self.timer = None
             self.waiter = None
 
     def _check_silence(self, waiter: "asyncio.Future[tuple[int, bytes]]", timeout: float) -> None:
@@ -147,7 +171,7 @@ class _Connection(asyncio.Protocol):
         if quiet >= timeout:
             waiter.set_exception(asyncio.TimeoutError())
         else:  # data came meanwhile: wait out the rest of the silence from the last byte
-            self.loop.call_later(timeout - quiet, self._check_silence, waiter, timeout)
+            self.timer = self.loop.call_later(timeout - quiet, self._check_silence, waiter, timeout)
 
 
 class LeanPool:
@@ -182,11 +206,22 @@ class LeanPool:
             connection.close()
         return None
 
-    async def send(self, data: bytes, cap: Optional[int], timeout: float, connect_timeout: float,
+    async def _take_slot(self, connect_timeout: float) -> None:
+        """As aiohttp's connect timeout did, it also bounds the wait for a free connection."""
+        if not self.slots.locked():
+            await self.slots.acquire()
+            return
+        try:
+            await asyncio.wait_for(self.slots.acquire(), connect_timeout)
+        except asyncio.TimeoutError:
+            raise LeanConnectionError(f"no free connection within {connect_timeout:g} s") from None
+
+    async def send(self, data: bytes, cap: Optional[int], timeout: Optional[float], connect_timeout: float,
                    retry_stale: bool) -> tuple[int, bytes]:
         """One request, its answer: (status, body). A reused connection that turns out to have
         been closed by the server before answering is replaced once when ``retry_stale``."""
-        async with self.slots:
+        await self._take_slot(connect_timeout)
+        try:
             connection = self._reuse()
             reused = connection is not None
             while True:
@@ -205,8 +240,20 @@ class LeanPool:
                 else:
                     connection.close()
                 return answer
+        finally:
+            self.slots.release()
 
     def close(self) -> None:
         self.closed = True
         while self.idle:
             self.idle.pop().close()
+
+    def forget(self) -> None:
+        """Drop a pool whose event loop has closed: its transports can no longer be closed
+        through that loop, so the reference cycles are broken and each transport, freed at
+        once, closes its socket itself."""
+        self.closed = True
+        while self.idle:
+            connection = self.idle.pop()
+            connection.transport = None
+            connection.parser = None  # type: ignore[assignment]

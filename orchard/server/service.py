@@ -18,7 +18,7 @@ from fastapi.exceptions import RequestValidationError
 
 from orchard.agent.tokens import sandbox_token
 from orchard.backends.api import Backend
-from orchard.client.http import ApiClient
+from orchard.client.http import MAX_JSON_ANSWER, ApiClient
 from orchard.errors import (
     AgentUnreachable, JobNotFound, OrchardError, SandboxConflict, SandboxLost, SandboxNotFound, SandboxNotReady,
     WaitTimeout,
@@ -298,7 +298,8 @@ class ServerService:
         created_at, start = time.time(), time.perf_counter()
         async with self.exec_slots:
             answer = await self.forward(record, "POST", f"/sandboxes/{sandbox_id}/exec", json_body=body,
-                                        timeout=request.effective_timeout() + 30, raw_response=True)
+                                        timeout=request.effective_timeout() + 30, raw_response=True,
+                                        answer_cap=MAX_JSON_ANSWER)  # an agent beside hostile code: bounded
         if request.wait:
             self.metrics.exec_seconds.observe(time.perf_counter() - start)
             self.store.put_job_json(sandbox_id, answer)
