@@ -7,7 +7,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-STAGES = ("base", "sft", "sft+rl")
+STAGES = ("base", "sft", "sft+rl", "sft+rl+rl")  # the recipe's models (the last with continue_rl)
+COLOURS = ("#999999", "#6a9fd8", "#2e7d32", "#1b5e20")
 
 
 def markdown(report: dict[str, Any]) -> str:
@@ -29,7 +30,7 @@ def markdown(report: dict[str, Any]) -> str:
     credit = stages.get("credit assignment", {})
     if credit:
         lines += ["", f"Values for credit assignment: {credit.get('values')}."]
-    if len(results) > len(STAGES):
+    if any("(" in name for name in results):
         lines += ["", "Ablation arms: `sft (resolved|credit)` is SFT from the same base model on the other data "
                       "built from the same expert trajectories; `sft+rl (sampler)` is RL from the same SFT weights "
                       "with another group sampler and the same rollout budget."]
@@ -44,10 +45,11 @@ def plot(report: dict[str, Any], out_dir: Path) -> None:
 
     results = report["results"]
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8))
-    rates = [results[s]["pass_rate"] for s in STAGES]
-    errors = [[r - results[s]["pass_rate_95"][0] for s, r in zip(STAGES, rates)],
-              [results[s]["pass_rate_95"][1] - r for s, r in zip(STAGES, rates)]]
-    left.bar(STAGES, rates, yerr=errors, capsize=6, color=["#999999", "#6a9fd8", "#2e7d32"])
+    shown = [s for s in STAGES if s in results]
+    rates = [results[s]["pass_rate"] for s in shown]
+    errors = [[r - results[s]["pass_rate_95"][0] for s, r in zip(shown, rates)],
+              [results[s]["pass_rate_95"][1] - r for s, r in zip(shown, rates)]]
+    left.bar(shown, rates, yerr=errors, capsize=6, color=[COLOURS[STAGES.index(s)] for s in shown])
     left.set_ylim(0, 1)
     left.set_ylabel("held-out success")
     metrics = out_dir / "rl" / "metrics.jsonl"

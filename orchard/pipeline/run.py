@@ -51,6 +51,10 @@ class PipelineConfig:
     start_from: Optional[Path] = field(default=None, metadata={
         "help": "an earlier run of the same seed and tasks: its base model, SFT weights and their evaluations are "
                 "reused, and only RL and what follows runs (with --seeds: its seed-N directories)"})
+    continue_rl: bool = field(default=False, metadata={
+        "help": "with start_from: RL goes on from that run's SFT+RL weights (also the KL reference), on rl_tasks "
+                "further tasks generated after that run's own; its evaluations are kept and this run's model is "
+                "sft+rl+rl"})
     model: BaseModelConfig = field(default_factory=BaseModelConfig)
     expert_attempts: int = field(default=1, metadata={"help": "expert trajectories per training task"})
     expert: dict = field(default_factory=lambda: {"p_correct": 0.5, "p_recover": 0.5, "p_undo": 0.25})
@@ -78,6 +82,8 @@ class PipelineConfig:
             self.model = BaseModelConfig(**self.model)
         if self.rl_tasks < 0 or (self.rl_tasks and not 0 <= self.heldout_fraction < 1):
             raise ValueError("rl_tasks must be >= 0, and with rl_tasks heldout_fraction must be below 1")
+        if self.continue_rl and not self.start_from:
+            raise ValueError("continue_rl needs start_from: the run whose RL it continues")
         if self.sft_data not in SFT_DATA:
             raise ValueError(f"sft_data must be one of {', '.join(SFT_DATA)}, not {self.sft_data!r}")
 
@@ -114,9 +120,9 @@ class Pipeline:
         async with AsyncClient(backend=backend.get("name", "local"), backend_settings=backend.get("settings")) as client:
             self.client = client
             train, heldout = self.make_tasks()
-            rl_pool = self.make_rl_tasks() or train
+            rl_pool = self.make_rl_tasks(skip=self._earlier_rl_tasks()) or train
             if config.start_from:
-                model, tokenizer, results = self.reuse_sft(config.start_from)
+                model, tokenizer, results = self.reuse(config.start_from, "rl" if config.continue_rl else "sft")
             else:
                 model, tokenizer = self.base_model(train)
                 base_weights = copy.deepcopy(model.state_dict())
@@ -125,9 +131,10 @@ class Pipeline:
                 examples = await self.credit(trajectories, train, config.sft_data)
                 self.sft(model, tokenizer, examples, "sft")
                 results["sft"] = await self.evaluate("sft", model, tokenizer, heldout)
-            sft_weights = copy.deepcopy(model.state_dict())
+            start_weights = copy.deepcopy(model.state_dict())
+            final = "sft+rl+rl" if config.continue_rl else "sft+rl"
             await self.rl(model, tokenizer, rl_pool, config.rl.get("sampler", "bar"), "rl")
-            results["sft+rl"] = await self.evaluate("sft+rl", model, tokenizer, heldout)
+            results[final] = await self.evaluate(final, model, tokenizer, heldout)
             if ablations and not config.start_from:
                 other = "credit" if config.sft_data == "resolved" else "resolved"
                 model.load_state_dict(base_weights)
@@ -135,10 +142,10 @@ class Pipeline:
                 results[f"sft ({other})"] = await self.evaluate(f"sft ({other})", model, tokenizer, heldout)
             if ablations:
                 for sampler in [s for s in SAMPLERS if s != config.rl.get("sampler", "bar")]:
-                    model.load_state_dict(sft_weights)
+                    model.load_state_dict(start_weights)
                     await self.rl(model, tokenizer, rl_pool, sampler, f"rl-{sampler}")
-                    results[f"sft+rl ({sampler})"] = await self.evaluate(f"sft+rl ({sampler})", model, tokenizer,
-                                                                         heldout)
+                    results[f"{final} ({sampler})"] = await self.evaluate(f"{final} ({sampler})", model, tokenizer,
+                                                                          heldout)
         self.report["results"] = results
         from orchard.pipeline.report import write_report
 
@@ -166,10 +173,20 @@ class Pipeline:
     def _image(self) -> str:
         return self.config.image or str(_default_image())
 
-    def make_rl_tasks(self) -> list:
-        """``rl_tasks`` training-split tasks that come after the suite's: the same families and
-        variants, other repositories, never seen by the expert or SFT, so RL meets tasks it has
-        not memorised (the original ran RL on tasks of their own, filtered by difficulty)."""
+    def _earlier_rl_tasks(self) -> int:
+        """How many RL tasks of its own the run that ``continue_rl`` continues trained on."""
+        if not self.config.continue_rl:
+            return 0
+        try:
+            return int(json.loads((self.config.start_from / "report.json").read_text())["config"]["rl_tasks"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return 0  # reuse() says what is missing
+
+    def make_rl_tasks(self, skip: int = 0) -> list:
+        """``rl_tasks`` training-split tasks that come after the suite's (and after the first
+        ``skip`` of those: an earlier run's RL tasks): the same families and variants, other
+        repositories, never seen by the expert or SFT, so RL meets tasks it has not memorised
+        (the original ran RL on tasks of their own, filtered by difficulty)."""
         from orchard.pipeline.choice import choice_suite
         from orchard.tasks import save_tasks
         from orchard.tasks.generated import generate_suite
@@ -179,16 +196,18 @@ class Pipeline:
             return []
         started = time.perf_counter()
         image = self._image()
-        total = config.tasks + config.rl_tasks
+        wanted = skip + config.rl_tasks
+        total = config.tasks + wanted
         while True:
             fresh = [t for t in generate_suite(total, config.seed, image, config.heldout_fraction)[config.tasks:]
                      if t.split == "train"]
-            if len(fresh) >= config.rl_tasks:
+            if len(fresh) >= wanted:
                 break
-            total += config.rl_tasks - len(fresh)
-        tasks = choice_suite(fresh[:config.rl_tasks], config.candidates, config.seed)
+            total += wanted - len(fresh)
+        tasks = choice_suite(fresh[skip:wanted], config.candidates, config.seed)
         save_tasks(tasks, config.output_dir / "rl-tasks.jsonl")
-        self._stage("rl tasks", started, tasks=len(tasks), note="training split, generated after the suite's tasks")
+        self._stage("rl tasks", started, tasks=len(tasks), after_earlier_runs=skip,
+                    note="training split, generated after the suite's tasks")
         return tasks
 
     def base_model(self, train: list) -> tuple[Any, Any]:
@@ -215,10 +234,11 @@ class Pipeline:
                     note="a small Llama pre-trained here on random-choice conversations of the training tasks")
         return model, tokenizer
 
-    def reuse_sft(self, earlier: Path) -> tuple[Any, Any, dict[str, Any]]:
-        """The base model and SFT weights of an ``earlier`` run on the same tasks, and its
-        evaluations of them, so RL can be run again (longer, or otherwise) without redoing
-        what came before. Refused if that run's tasks differ from this one's."""
+    def reuse(self, earlier: Path, stage: str) -> tuple[Any, Any, dict[str, Any]]:
+        """The base model and the weights ``stage`` ("sft" or "rl") left in an ``earlier`` run
+        on the same tasks, and its evaluations up to them, so RL can be run again (longer, or
+        otherwise) or continued without redoing what came before. Refused if that run's tasks
+        differ from this one's."""
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -226,10 +246,11 @@ class Pipeline:
         tasks = earlier / "tasks.jsonl"
         if not tasks.exists() or tasks.read_bytes() != (self.config.output_dir / "tasks.jsonl").read_bytes():
             raise PipelineInputError(f"start_from: {earlier} was not run on this run's tasks (seed or task settings differ)")
-        checkpoints = sorted((earlier / "sft").glob("checkpoint-*"), key=lambda d: int(d.name.split("-")[-1]))
+        checkpoints = sorted((earlier / stage).glob("checkpoint-*"), key=lambda d: int(d.name.split("-")[-1]))
         report = earlier / "report.json"
         if not checkpoints or not report.exists():
-            raise PipelineInputError(f"start_from: {earlier} has no finished SFT stage (sft/checkpoint-N and report.json)")
+            raise PipelineInputError(f"start_from: {earlier} has no finished {stage.upper()} stage "
+                                     f"({stage}/checkpoint-N and report.json)")
         if not (earlier / "base" / "config.json").is_file():
             raise PipelineInputError(f"start_from: {earlier} has no base model (base/config.json and its tokenizer)")
         tokenizer = AutoTokenizer.from_pretrained(earlier / "base")
@@ -237,9 +258,11 @@ class Pipeline:
         model.load_state_dict(torch.load(checkpoints[-1] / "state.pt", weights_only=False)["model"])
         model.eval()
         earlier_results = json.loads(report.read_text())["results"]
-        results = {name: earlier_results[name] for name in ("base", "sft") if name in earlier_results}
-        self._stage("reused", started, run=str(earlier), sft_checkpoint=checkpoints[-1].name,
-                    note="base model, SFT weights and their held-out evaluations from an earlier run")
+        kept = ("base", "sft", "sft+rl") if stage == "rl" else ("base", "sft")
+        results = {name: earlier_results[name] for name in kept if name in earlier_results}
+        self._stage("reused", started, run=str(earlier), **{f"{stage}_checkpoint": checkpoints[-1].name},
+                    note=f"base model, {'SFT+RL' if stage == 'rl' else 'SFT'} weights and their held-out "
+                         "evaluations from an earlier run")
         return model, tokenizer, results
 
     def _engine(self, policy: Any, grade: bool = True) -> Any:

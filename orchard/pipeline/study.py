@@ -18,10 +18,12 @@ from typing import Any, Sequence
 
 from orchard.pipeline.run import SAMPLERS, PipelineConfig, slug, run_pipeline
 
-MODELS = ("base", "sft", "sft+rl", "sft (resolved)", "sft (credit)", *(f"sft+rl ({s})" for s in SAMPLERS))
-# (worse, better) pairs the recipe claims, then the ablations' pairs
-COMPARISONS = (("base", "sft"), ("sft", "sft+rl"), ("sft (resolved)", "sft"),
-               ("sft+rl (fixed)", "sft+rl"), ("sft+rl (dapo)", "sft+rl"))
+MODELS = ("base", "sft", "sft+rl", "sft+rl+rl", "sft (resolved)", "sft (credit)",
+          *(f"{m} ({s})" for m in ("sft+rl", "sft+rl+rl") for s in SAMPLERS))
+# (worse, better) pairs the recipe claims (sft+rl+rl: RL continued, continue_rl), then the ablations' pairs
+COMPARISONS = (("base", "sft"), ("sft", "sft+rl"), ("sft+rl", "sft+rl+rl"), ("sft", "sft+rl+rl"),
+               ("sft (resolved)", "sft"), ("sft+rl (fixed)", "sft+rl"), ("sft+rl (dapo)", "sft+rl"),
+               ("sft+rl+rl (fixed)", "sft+rl+rl"), ("sft+rl+rl (dapo)", "sft+rl+rl"))
 
 
 def summarize(per_seed: dict[int, dict[str, float]]) -> dict[str, Any]:
@@ -90,7 +92,7 @@ def _finished(config: PipelineConfig, ablations: bool) -> dict[str, Any] | None:
         return None
     report = json.loads(path.read_text())
     same = report.get("config") == json.loads(json.dumps(asdict(config), default=str))
-    return report if same and (len(report["results"]) > 3) == ablations else None
+    return report if same and any("(" in model for model in report["results"]) == ablations else None
 
 
 def run_study(config: PipelineConfig, seeds: Sequence[int], ablations: bool = False,
@@ -108,7 +110,8 @@ def run_study(config: PipelineConfig, seeds: Sequence[int], ablations: bool = Fa
             found = evaluated(seed_config.output_dir)
             if found and seed_config.start_from:
                 earlier = evaluated(seed_config.start_from)
-                found = {**{m: earlier[m] for m in ("base", "sft") if m in earlier}, **found}
+                kept = ("base", "sft", "sft+rl") if seed_config.continue_rl else ("base", "sft")
+                found = {**{m: earlier[m] for m in kept if m in earlier}, **found}
             if found:
                 per_seed[seed] = found
             continue

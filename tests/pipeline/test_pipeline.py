@@ -116,6 +116,36 @@ def test_orchard_pipeline_runs_end_to_end_with_tiny_budgets(orchard_backend_sett
     assert "sft+rl" in rerun["results"] and rerun["stages"]["rl"]["steps"] == 2
     assert not {"base model", "expert trajectories", "sft"} & set(rerun["stages"])
     assert rerun["stages"]["reused"]["run"] == str(tmp_path / "run")
+    # RL continued from that run's SFT+RL weights, on RL tasks after the ones it trained on
+    (tmp_path / "more.yaml").write_text(yaml.safe_dump({**config, "start_from": str(tmp_path / "run"),
+                                                        "continue_rl": True, "rl_tasks": 4}))
+    more = CliRunner().invoke(cli, ["pipeline", "--config", str(tmp_path / "more.yaml"),
+                                    "--output", str(tmp_path / "more")])
+    assert more.exit_code == 0, more.output
+    continued = json.loads((tmp_path / "more" / "report.json").read_text())
+    assert {k: continued["results"][k] for k in ("base", "sft", "sft+rl")} == {
+        k: report["results"][k] for k in ("base", "sft", "sft+rl")}
+    assert "sft+rl+rl" in continued["results"] and (tmp_path / "more" / "eval-sft-rl-rl.jsonl").exists()
+    assert continued["stages"]["reused"]["rl_checkpoint"].startswith("checkpoint-")
+    assert continued["stages"]["rl tasks"]["after_earlier_runs"] == 0  # the first run trained on SFT's tasks
+    (tmp_path / "more2.yaml").write_text(yaml.safe_dump({**config, "start_from": str(tmp_path / "more"),
+                                                         "continue_rl": True, "rl_tasks": 4}))
+    from orchard.pipeline.run import Pipeline, PipelineConfig  # which tasks a second continuation gets
+    second = Pipeline(PipelineConfig(**{**yaml.safe_load((tmp_path / "more2.yaml").read_text()),
+                                        "output_dir": tmp_path / "more2"}), progress=False)
+    assert second._earlier_rl_tasks() == 4
+    first_ids = [json.loads(line)["task_id"] for line in (tmp_path / "more" / "rl-tasks.jsonl").read_text().splitlines()]
+    later = second.make_rl_tasks(skip=second._earlier_rl_tasks())
+    assert len(later) == 4 and not {t.task_id for t in later} & set(first_ids)
+    (tmp_path / "again" / "rl").rename(tmp_path / "rl-moved")  # a run whose RL stage is missing
+    (tmp_path / "from-again.yaml").write_text(yaml.safe_dump({**config, "start_from": str(tmp_path / "again"),
+                                                              "continue_rl": True}))
+    no_rl = CliRunner().invoke(cli, ["pipeline", "--config", str(tmp_path / "from-again.yaml"),
+                                     "--output", str(tmp_path / "no-rl")])
+    assert no_rl.exit_code == 2 and "no finished RL stage" in no_rl.output, no_rl.output
+    (tmp_path / "lone.yaml").write_text(yaml.safe_dump({**config, "continue_rl": True}))
+    lone = CliRunner().invoke(cli, ["pipeline", "--config", str(tmp_path / "lone.yaml")])
+    assert lone.exit_code != 0 and "continue_rl needs start_from" in lone.output
     other_seed = CliRunner().invoke(cli, ["pipeline", "--config", str(tmp_path / "again.yaml"), "--seed", "5",
                                           "--output", str(tmp_path / "other")])
     assert other_seed.exit_code == 2 and "start_from" in other_seed.output and "tasks" in other_seed.output

@@ -144,6 +144,13 @@ static void switch_ids(long uid, long gid) {
     if (uid >= 0 && setresuid(uid, uid, uid) < 0) die("setuid", NULL);
 }
 
+/* A file call's helper works on the sandbox's files for the agent, through descriptors the
+   agent gave it: no process of the sandbox may ptrace it or take those descriptors. The id
+   switch makes it non-dumpable only where fs.suid_dumpable is 0, so say it outright. */
+static void not_dumpable(void) {
+    if (prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) < 0) die("dumpable", NULL);
+}
+
 static int hold(int ready_fd, int lifeline, int spawner) {
     /* Not dumpable: a sandbox process of the same uid cannot ptrace its PID 1 and make it
        exit (which would lose the sandbox and free its pids for reuse), nor take its
@@ -339,6 +346,7 @@ int main(int argc, char **argv) {
         if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) < 0) die("no_new_privs", NULL);
         switch_ids(uid, gid);
         clear_capability_sets();
+        if (file) not_dumpable();
         int master = pty_sock >= 0 ? open_pty_master() : -1;
         pid_t child = fork();
         if (child < 0) die("fork", NULL);
@@ -353,6 +361,7 @@ int main(int argc, char **argv) {
         if (master >= 0) pty_child(master);
     } else {
         switch_ids(uid, gid);
+        if (file) not_dumpable();
         /* After the id switch, which would clear it; kept across the exec that follows. */
         if (die_with_parent && prctl(PR_SET_PDEATHSIG, SIGKILL, 0, 0, 0) < 0) die("pdeathsig", NULL);
         if (die_with_parent && getppid() == 1) _exit(125); /* the agent is already gone */
