@@ -251,13 +251,21 @@ class Pipeline:
         if not checkpoints or not report.exists():
             raise PipelineInputError(f"start_from: {earlier} has no finished {stage.upper()} stage "
                                      f"({stage}/checkpoint-N and report.json)")
+        earlier_report = json.loads(report.read_text())
+        if stage == "rl" and earlier_report.get("config", {}).get("continue_rl"):
+            raise PipelineInputError(f"start_from: {earlier} continued RL itself; continuing a continuation "
+                                     "is not supported (its tasks and models would be mislabelled)")
+        steps = earlier_report.get("stages", {}).get(stage, {}).get("steps")
+        final = earlier / stage / f"checkpoint-{steps}"  # the run's own last step, not a leftover of another
+        if steps is not None and (final / "state.pt").exists():
+            checkpoints.append(final)
         if not (earlier / "base" / "config.json").is_file():
             raise PipelineInputError(f"start_from: {earlier} has no base model (base/config.json and its tokenizer)")
         tokenizer = AutoTokenizer.from_pretrained(earlier / "base")
         model = AutoModelForCausalLM.from_pretrained(earlier / "base")
         model.load_state_dict(torch.load(checkpoints[-1] / "state.pt", weights_only=False)["model"])
         model.eval()
-        earlier_results = json.loads(report.read_text())["results"]
+        earlier_results = earlier_report["results"]
         kept = ("base", "sft", "sft+rl") if stage == "rl" else ("base", "sft")
         results = {name: earlier_results[name] for name in kept if name in earlier_results}
         self._stage("reused", started, run=str(earlier), **{f"{stage}_checkpoint": checkpoints[-1].name},

@@ -85,13 +85,27 @@ def evaluated(run_dir: Path) -> dict[str, float]:
     return found
 
 
+def _reported(run_dir: Path) -> dict[str, float]:
+    """Held-out success of every model a finished run reports, reused evaluations included
+    (its eval files hold only what it evaluated itself)."""
+    try:
+        results = json.loads((run_dir / "report.json").read_text())["results"]
+        return {model: float(r["pass_rate"]) for model, r in results.items()}
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
+
+
 def _finished(config: PipelineConfig, ablations: bool) -> dict[str, Any] | None:
     """The report of an earlier run of exactly this configuration (and arms), if there is one."""
     path = config.output_dir / "report.json"
     if not path.exists():
         return None
     report = json.loads(path.read_text())
-    same = report.get("config") == json.loads(json.dumps(asdict(config), default=str))
+    expected = json.loads(json.dumps(asdict(config), default=str))
+    defaults = json.loads(json.dumps(asdict(PipelineConfig(output_dir=config.output_dir)), default=str))
+    stored = report.get("config") or {}
+    # a setting added since that run was written is read as its default (it ran without it)
+    same = {**{k: v for k, v in defaults.items() if k not in stored}, **stored} == expected
     return report if same and any("(" in model for model in report["results"]) == ablations else None
 
 
@@ -106,10 +120,10 @@ def run_study(config: PipelineConfig, seeds: Sequence[int], ablations: bool = Fa
     for seed in seeds:
         seed_config = replace(config, seed=seed, output_dir=root / f"seed-{seed}",
                               start_from=config.start_from / f"seed-{seed}" if config.start_from else None)
-        if summarize_only:  # what each seed has evaluated so far (base and SFT: where they were, if reused)
+        if summarize_only:  # what each seed has evaluated so far (what it reused: as that run reported it)
             found = evaluated(seed_config.output_dir)
             if found and seed_config.start_from:
-                earlier = evaluated(seed_config.start_from)
+                earlier = _reported(seed_config.start_from) or evaluated(seed_config.start_from)
                 kept = ("base", "sft", "sft+rl") if seed_config.continue_rl else ("base", "sft")
                 found = {**{m: earlier[m] for m in kept if m in earlier}, **found}
             if found:

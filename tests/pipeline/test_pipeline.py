@@ -128,15 +128,11 @@ def test_orchard_pipeline_runs_end_to_end_with_tiny_budgets(orchard_backend_sett
     assert "sft+rl+rl" in continued["results"] and (tmp_path / "more" / "eval-sft-rl-rl.jsonl").exists()
     assert continued["stages"]["reused"]["rl_checkpoint"].startswith("checkpoint-")
     assert continued["stages"]["rl tasks"]["after_earlier_runs"] == 0  # the first run trained on SFT's tasks
-    (tmp_path / "more2.yaml").write_text(yaml.safe_dump({**config, "start_from": str(tmp_path / "more"),
+    (tmp_path / "chain.yaml").write_text(yaml.safe_dump({**config, "start_from": str(tmp_path / "more"),
                                                          "continue_rl": True, "rl_tasks": 4}))
-    from orchard.pipeline.run import Pipeline, PipelineConfig  # which tasks a second continuation gets
-    second = Pipeline(PipelineConfig(**{**yaml.safe_load((tmp_path / "more2.yaml").read_text()),
-                                        "output_dir": tmp_path / "more2"}), progress=False)
-    assert second._earlier_rl_tasks() == 4
-    first_ids = [json.loads(line)["task_id"] for line in (tmp_path / "more" / "rl-tasks.jsonl").read_text().splitlines()]
-    later = second.make_rl_tasks(skip=second._earlier_rl_tasks())
-    assert len(later) == 4 and not {t.task_id for t in later} & set(first_ids)
+    chained = CliRunner().invoke(cli, ["pipeline", "--config", str(tmp_path / "chain.yaml"),
+                                       "--output", str(tmp_path / "chained")])
+    assert chained.exit_code == 2 and "continued RL itself" in chained.output, chained.output
     (tmp_path / "again" / "rl").rename(tmp_path / "rl-moved")  # a run whose RL stage is missing
     (tmp_path / "from-again.yaml").write_text(yaml.safe_dump({**config, "start_from": str(tmp_path / "again"),
                                                               "continue_rl": True}))
@@ -177,3 +173,17 @@ def test_rl_tasks_are_training_tasks_that_sft_never_sees(kit_image, tmp_path):
     assert alone.make_rl_tasks() == [] and alone.make_tasks() == (train, heldout)
     with pytest.raises(ValueError, match="rl_tasks"):
         PipelineConfig(output_dir=tmp_path / "d", rl_tasks=-1)
+
+
+def test_a_continuation_trains_on_the_rl_tasks_after_its_earlier_runs(kit_image, tmp_path):
+    from orchard.pipeline.run import Pipeline, PipelineConfig
+
+    settings = {"image": kit_image, "tasks": 16, "rl_tasks": 4}
+    first = Pipeline(PipelineConfig(output_dir=tmp_path / "first", **settings), progress=False)
+    first_ids = {t.task_id for t in first.make_rl_tasks()}
+    (tmp_path / "first" / "report.json").write_text(json.dumps({"config": {"rl_tasks": 4}}))
+    later = Pipeline(PipelineConfig(output_dir=tmp_path / "later", start_from=tmp_path / "first", continue_rl=True,
+                                    **settings), progress=False)
+    later_tasks = later.make_rl_tasks(skip=later._earlier_rl_tasks())
+    assert len(first_ids) == 4 and len(later_tasks) == 4 and not {t.task_id for t in later_tasks} & first_ids
+    assert later.report["stages"]["rl tasks"]["after_earlier_runs"] == 4

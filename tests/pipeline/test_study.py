@@ -90,6 +90,42 @@ def test_summarizing_a_study_started_from_another_reads_base_and_sft_where_they_
         "base": [0.0, 0.0], "sft": [0.5, 0.5], "sft+rl": [1.0, 1.0]}
 
 
+def test_summarizing_a_continuation_reads_what_its_earlier_run_reported_reused_evaluations_too(tmp_path):
+    from orchard.pipeline.run import PipelineConfig
+    from orchard.pipeline.study import run_study
+
+    for seed in (0, 1):
+        earlier = tmp_path / "first-rl" / f"seed-{seed}"  # itself reused base and SFT: no eval files of them
+        earlier.mkdir(parents=True)
+        (earlier / "report.json").write_text(json.dumps({"results": {
+            "base": {"pass_rate": 0.1}, "sft": {"pass_rate": 0.5}, "sft+rl": {"pass_rate": 0.6}}}))
+        later = tmp_path / "more" / f"seed-{seed}"
+        later.mkdir(parents=True)
+        (later / "eval-sft-rl-rl.jsonl").write_text(json.dumps({"status": "completed", "grade": {"resolved": True}}) + "\n")
+    config = PipelineConfig(output_dir=tmp_path / "more", start_from=tmp_path / "first-rl", continue_rl=True)
+    summary = run_study(config, [0, 1], summarize_only=True)
+    assert {model: row["values"] for model, row in summary["models"].items()} == {
+        "base": [0.1, 0.1], "sft": [0.5, 0.5], "sft+rl": [0.6, 0.6], "sft+rl+rl": [1.0, 1.0]}
+    assert {(g["from"], g["to"]) for g in summary["gaps"]} >= {("sft+rl", "sft+rl+rl"), ("sft", "sft+rl+rl")}
+
+
+def test_a_seed_finished_before_a_setting_was_added_is_not_run_again(tmp_path):
+    from dataclasses import asdict
+
+    from orchard.pipeline.run import PipelineConfig
+    from orchard.pipeline.study import _finished
+
+    config = PipelineConfig(output_dir=tmp_path / "seed-0")
+    stored = json.loads(json.dumps(asdict(config), default=str))
+    del stored["continue_rl"]  # written by a version without it
+    config.output_dir.mkdir()
+    (config.output_dir / "report.json").write_text(json.dumps({"config": stored, "results": {"sft+rl": {}}}))
+    assert _finished(config, ablations=False) is not None
+    stored["tasks"] += 1  # a setting that did change still counts
+    (config.output_dir / "report.json").write_text(json.dumps({"config": stored, "results": {"sft+rl": {}}}))
+    assert _finished(config, ablations=False) is None
+
+
 def test_sft_data_names_its_choices():
     from orchard.pipeline.run import PipelineConfig
 
