@@ -31,7 +31,7 @@ from typing import Any, Optional
 
 
 from orchard.agent.runtimes.api import DEFAULT_PATH
-from orchard.bench.measure import cpu_seconds, percentile
+from orchard.bench.measure import cpu_probe, cpu_seconds, percentile
 from orchard.bench.serve_process import ServeProcess, free_port
 
 TRUE_COMMAND = "true"
@@ -189,7 +189,7 @@ async def run(targets: list[str], sandboxes: int, commands: int, python_commands
                 await target.run(k, TRUE_COMMAND)
                 await target.run(k, PYTHON_COMMAND)
         plan = [("true", TRUE_COMMAND)] * commands + [("python", PYTHON_COMMAND)] * python_commands
-        load_before = os.getloadavg()
+        load_before, probe_before = os.getloadavg(), cpu_probe()
         for start in range(0, len(plan), chunk):
             for target in chosen:
                 pid = target.server_pid()
@@ -226,5 +226,6 @@ async def run(targets: list[str], sandboxes: int, commands: int, python_commands
                      for kind in ("true", "python") if reference[kind]["p50_ms"]}
             for t in chosen if t.name != REFERENCE}
     results["load_average"] = {"before": [round(x, 2) for x in load_before], "after": [round(x, 2) for x in load_after]}
+    results["cpu_probe_s"] = {"before": probe_before, "after": cpu_probe()}  # the machine's speed: see measure.cpu_probe
     results["spawner"] = spawner
     return results

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
@@ -20,6 +21,15 @@ def cpu_seconds(pid: int) -> float:
     """User + system CPU of ``pid`` and its reaped children (utime+stime+cutime+cstime)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return sum(int(x) for x in fields[11:15]) / CLOCK_TICKS
+
+
+def cpu_probe() -> float:
+    """Seconds for a fixed pure-Python loop, ``sum(range(3 * 10**7))``: how fast the machine is
+    right now. On a shared VM it moved between 0.42 and 0.63 s within minutes, and every
+    figure with it, so benchmarks report it before and after."""
+    started = time.perf_counter()
+    sum(range(30_000_000))
+    return round(time.perf_counter() - started, 3)
 
 
 def mem_available() -> int:

@@ -16,7 +16,7 @@ from typing import Any, Optional
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from orchard.bench.measure import count_processes, cpu_seconds, mem_available, percentile
+from orchard.bench.measure import count_processes, cpu_probe, cpu_seconds, mem_available, percentile
 from orchard.client.aio import AsyncClient, AsyncSandbox
 
 
@@ -45,6 +45,7 @@ def _leftovers(client: AsyncClient) -> dict[str, int]:
 async def run(client: AsyncClient, sandboxes: int, commands: int, concurrency: int, command: str, image: str,
               latency_samples: int, progress: bool = True) -> dict[str, Any]:
     await client.resources()  # start the agent before the clock starts
+    probe_before = cpu_probe()
     agent_pid = _agent_pid(client)
     gate = asyncio.Semaphore(concurrency)
     created: list[AsyncSandbox] = []
@@ -134,4 +135,5 @@ async def run(client: AsyncClient, sandboxes: int, commands: int, concurrency: i
         "idle_memory_per_sandbox_kib": round(memory_idle / 1024 / max(1, len(created)), 1),
         "delete_wall_seconds": round(delete_wall, 3),
         "leftovers": {"sandboxes": len(remaining), **_leftovers(client)},
+        "cpu_probe_s": {"before": probe_before, "after": cpu_probe()},  # the machine's speed: see measure.cpu_probe
     }
