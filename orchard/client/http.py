@@ -87,7 +87,9 @@ FRAMING_HEADERS = {"host", "content-length", "transfer-encoding", "connection", 
 def _lean_address(origin: str, uds: Optional[str]) -> Optional[tuple[str, str, tuple[str, int]]]:
     """The Host line every lean request carries, the path the origin mounts the API at,
     and where it connects; None for an origin the lean client leaves to aiohttp (one with
-    credentials, or a port that is no port: aiohttp says what is wrong with it)."""
+    credentials, or a port that is no port: aiohttp says what is wrong with it; TLS)."""
+    if uds is None and not origin.startswith("http://"):
+        return None
     parts = urlsplit(origin)
     try:
         port = parts.port or 80
@@ -141,7 +143,7 @@ class ApiClient:
         self._session: Optional[aiohttp.ClientSession] = None
         self._lean: Optional[LeanPool] = None
         self._lean_host: Optional[str] = None  # None: every call goes through aiohttp (TLS)
-        lean = _lean_address(self.origin, self.uds) if self.uds is not None or self.origin.startswith("http://") else None
+        lean = _lean_address(self.origin, self.uds)
         if lean is not None:
             self._lean_host, self._lean_prefix, self._lean_at = lean
 

@@ -256,19 +256,17 @@ class Pipeline:
             raise PipelineInputError(f"start_from: {earlier} continued RL itself; continuing a continuation "
                                      "is not supported (its tasks and models would be mislabelled)")
         steps = earlier_report.get("stages", {}).get(stage, {}).get("steps")
-        final = earlier / stage / f"checkpoint-{steps}"  # the run's own last step, not a leftover of another
-        if steps is not None and (final / "state.pt").exists():
-            checkpoints.append(final)
+        named = earlier / stage / f"checkpoint-{steps}"  # the run's own last step, not a leftover of another
+        checkpoint = named if steps is not None and (named / "state.pt").exists() else checkpoints[-1]
         if not (earlier / "base" / "config.json").is_file():
             raise PipelineInputError(f"start_from: {earlier} has no base model (base/config.json and its tokenizer)")
         tokenizer = AutoTokenizer.from_pretrained(earlier / "base")
         model = AutoModelForCausalLM.from_pretrained(earlier / "base")
-        model.load_state_dict(torch.load(checkpoints[-1] / "state.pt", weights_only=False)["model"])
+        model.load_state_dict(torch.load(checkpoint / "state.pt", weights_only=False)["model"])
         model.eval()
         earlier_results = earlier_report["results"]
-        kept = ("base", "sft", "sft+rl") if stage == "rl" else ("base", "sft")
-        results = {name: earlier_results[name] for name in kept if name in earlier_results}
-        self._stage("reused", started, run=str(earlier), **{f"{stage}_checkpoint": checkpoints[-1].name},
+        results = {name: earlier_results[name] for name in reused_models(stage == "rl") if name in earlier_results}
+        self._stage("reused", started, run=str(earlier), **{f"{stage}_checkpoint": checkpoint.name},
                     note=f"base model, {'SFT+RL' if stage == 'rl' else 'SFT'} weights and their held-out "
                          "evaluations from an earlier run")
         return model, tokenizer, results
@@ -382,6 +380,11 @@ class Pipeline:
                     success_last=records[-1]["success_rate"] if records else None,
                     rollouts=sum(r["rollouts"] for r in records),
                     sandbox_errors=sum(r["sandbox_errors"] for r in records))
+
+
+def reused_models(continue_rl: bool) -> tuple[str, ...]:
+    """The models of an earlier run that a run started from it keeps, as that run evaluated them."""
+    return ("base", "sft", "sft+rl") if continue_rl else ("base", "sft")
 
 
 def slug(name: str) -> str:

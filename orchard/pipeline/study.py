@@ -16,7 +16,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any, Sequence
 
-from orchard.pipeline.run import SAMPLERS, PipelineConfig, slug, run_pipeline
+from orchard.pipeline.run import SAMPLERS, PipelineConfig, reused_models, slug, run_pipeline
 
 MODELS = ("base", "sft", "sft+rl", "sft+rl+rl", "sft (resolved)", "sft (credit)",
           *(f"{m} ({s})" for m in ("sft+rl", "sft+rl+rl") for s in SAMPLERS))
@@ -124,8 +124,7 @@ def run_study(config: PipelineConfig, seeds: Sequence[int], ablations: bool = Fa
             found = evaluated(seed_config.output_dir)
             if found and seed_config.start_from:
                 earlier = _reported(seed_config.start_from) or evaluated(seed_config.start_from)
-                kept = ("base", "sft", "sft+rl") if seed_config.continue_rl else ("base", "sft")
-                found = {**{m: earlier[m] for m in kept if m in earlier}, **found}
+                found = {**{m: earlier[m] for m in reused_models(seed_config.continue_rl) if m in earlier}, **found}
             if found:
                 per_seed[seed] = found
             continue
