@@ -7,8 +7,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-STAGES = ("base", "sft", "sft+rl", "sft+rl+rl")  # the recipe's models (the last with continue_rl)
-COLOURS = ("#999999", "#6a9fd8", "#2e7d32", "#1b5e20")
+from orchard.pipeline.names import model_order, rl_rounds
+
+GREENS = ("#2e7d32", "#1b5e20", "#104010")  # one per round of RL, the last repeated
 
 
 def markdown(report: dict[str, Any]) -> str:
@@ -46,11 +47,11 @@ def plot(report: dict[str, Any], out_dir: Path) -> None:
 
     results = report["results"]
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8))
-    shown = [s for s in STAGES if s in results]
+    shown = sorted((m for m in results if m == "base" or rl_rounds(m) is not None), key=model_order)
     rates = [results[s]["pass_rate"] for s in shown]
     errors = [[r - results[s]["pass_rate_95"][0] for s, r in zip(shown, rates)],
               [results[s]["pass_rate_95"][1] - r for s, r in zip(shown, rates)]]
-    left.bar(shown, rates, yerr=errors, capsize=6, color=[COLOURS[STAGES.index(s)] for s in shown])
+    left.bar(shown, rates, yerr=errors, capsize=6, color=[_colour(s) for s in shown])
     left.set_ylim(0, 1)
     left.set_ylabel("held-out success")
     metrics = out_dir / "rl" / "metrics.jsonl"
@@ -69,3 +70,10 @@ def write_report(report: dict[str, Any], out_dir: Path) -> None:
     (out_dir / "report.json").write_text(json.dumps(report, indent=2, default=str))
     (out_dir / "report.md").write_text(markdown(report))
     plot(report, out_dir)
+
+
+def _colour(model: str) -> str:
+    rounds = rl_rounds(model)
+    if rounds is None:
+        return "#999999"  # base
+    return "#6a9fd8" if rounds == 0 else GREENS[min(rounds, len(GREENS)) - 1]

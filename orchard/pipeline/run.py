@@ -15,15 +15,16 @@ import asyncio
 import copy
 import json
 import random
+import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
 from orchard.pipeline.model import BaseModelConfig
+from orchard.pipeline.names import SAMPLERS, rl_model, rl_rounds, slug
 from orchard.train.memory import memory_mb
 
-SAMPLERS = ("bar", "fixed", "dapo")
 SYSTEM = "You fix bugs in a git repository. Reply with one ```bash block per turn; a block holding only submit ends."
 
 
@@ -52,9 +53,9 @@ class PipelineConfig:
         "help": "an earlier run of the same seed and tasks: its base model, SFT weights and their evaluations are "
                 "reused, and only RL and what follows runs (with --seeds: its seed-N directories)"})
     continue_rl: bool = field(default=False, metadata={
-        "help": "with start_from: RL goes on from that run's SFT+RL weights (also the KL reference), on rl_tasks "
-                "further tasks generated after that run's own; its evaluations are kept and this run's model is "
-                "sft+rl+rl"})
+        "help": "with start_from: RL goes on from that run's RL weights (also the KL reference), on rl_tasks "
+                "further tasks generated after every RL task its chain of runs used; its evaluations are kept and "
+                "this run's model has one more +rl (sft+rl+rl, then sft+rl+rl+rl, ...)"})
     model: BaseModelConfig = field(default_factory=BaseModelConfig)
     expert_attempts: int = field(default=1, metadata={"help": "expert trajectories per training task"})
     expert: dict = field(default_factory=lambda: {"p_correct": 0.5, "p_recover": 0.5, "p_undo": 0.25})
@@ -121,6 +122,8 @@ class Pipeline:
             self.client = client
             train, heldout = self.make_tasks()
             rl_pool = self.make_rl_tasks(skip=self._earlier_rl_tasks()) or train
+            self.report["rl_tasks_used"] = self._earlier_rl_tasks() + config.rl_tasks
+            self.report["rl_rounds"] = rounds = self._earlier_rl_rounds() + 1
             if config.start_from:
                 model, tokenizer, results = self.reuse(config.start_from, "rl" if config.continue_rl else "sft")
             else:
@@ -132,7 +135,7 @@ class Pipeline:
                 self.sft(model, tokenizer, examples, "sft")
                 results["sft"] = await self.evaluate("sft", model, tokenizer, heldout)
             start_weights = copy.deepcopy(model.state_dict())
-            final = "sft+rl+rl" if config.continue_rl else "sft+rl"
+            final = rl_model(rounds)
             await self.rl(model, tokenizer, rl_pool, config.rl.get("sampler", "bar"), "rl")
             results[final] = await self.evaluate(final, model, tokenizer, heldout)
             if ablations and not config.start_from:
@@ -173,14 +176,39 @@ class Pipeline:
     def _image(self) -> str:
         return self.config.image or str(_default_image())
 
+    def _earlier_report(self) -> dict[str, Any]:
+        """The report of the run that ``continue_rl`` continues ({} otherwise, or if it has none:
+        reuse() says what is missing)."""
+        if not self.config.continue_rl:
+            return {}
+        try:
+            report = json.loads((self.config.start_from / "report.json").read_text())
+        except (OSError, ValueError):
+            return {}
+        return report if isinstance(report, dict) else {}
+
     def _earlier_rl_tasks(self) -> int:
-        """How many RL tasks of its own the run that ``continue_rl`` continues trained on."""
+        """How many RL tasks of their own the runs before this one (the chain ``continue_rl``
+        continues) trained on, so that this run's come after all of them."""
+        earlier = self._earlier_report()
+        try:
+            if "rl_tasks_used" in earlier:
+                return int(earlier["rl_tasks_used"])
+            # a report written before rl_tasks_used: its own tasks, after those its stage says it skipped
+            skipped = earlier.get("stages", {}).get("rl tasks", {}).get("after_earlier_runs", 0)
+            return int(skipped) + int(earlier.get("config", {}).get("rl_tasks", 0))
+        except (AttributeError, ValueError, TypeError):
+            return 0
+
+    def _earlier_rl_rounds(self) -> int:
+        """Rounds of RL in the weights this run starts from (0: SFT weights)."""
         if not self.config.continue_rl:
             return 0
-        try:
-            return int(json.loads((self.config.start_from / "report.json").read_text())["config"]["rl_tasks"])
-        except (OSError, ValueError, KeyError, TypeError):
-            return 0  # reuse() says what is missing
+        earlier = self._earlier_report()
+        try:  # a report written before rl_rounds: a continuation was the second round
+            return int(earlier.get("rl_rounds") or (2 if earlier.get("config", {}).get("continue_rl") else 1))
+        except (AttributeError, ValueError, TypeError):
+            return 1
 
     def make_rl_tasks(self, skip: int = 0) -> list:
         """``rl_tasks`` training-split tasks that come after the suite's (and after the first
@@ -252,9 +280,6 @@ class Pipeline:
             raise PipelineInputError(f"start_from: {earlier} has no finished {stage.upper()} stage "
                                      f"({stage}/checkpoint-N and report.json)")
         earlier_report = json.loads(report.read_text())
-        if stage == "rl" and earlier_report.get("config", {}).get("continue_rl"):
-            raise PipelineInputError(f"start_from: {earlier} continued RL itself; continuing a continuation "
-                                     "is not supported (its tasks and models would be mislabelled)")
         steps = earlier_report.get("stages", {}).get(stage, {}).get("steps")
         named = earlier / stage / f"checkpoint-{steps}"  # the run's own last step, not a leftover of another
         checkpoint = named if steps is not None and (named / "state.pt").exists() else checkpoints[-1]
@@ -262,10 +287,13 @@ class Pipeline:
             raise PipelineInputError(f"start_from: {earlier} has no base model (base/config.json and its tokenizer)")
         tokenizer = AutoTokenizer.from_pretrained(earlier / "base")
         model = AutoModelForCausalLM.from_pretrained(earlier / "base")
+        # this run holds its base model too, so a run started from this one (a further round of RL) finds it
+        if (earlier / "base").resolve() != (self.config.output_dir / "base").resolve():
+            shutil.copytree(earlier / "base", self.config.output_dir / "base", dirs_exist_ok=True)
         model.load_state_dict(torch.load(checkpoint / "state.pt", weights_only=False)["model"])
         model.eval()
         earlier_results = earlier_report["results"]
-        results = {name: earlier_results[name] for name in reused_models(stage == "rl") if name in earlier_results}
+        results = {name: earlier_results[name] for name in reused_models(earlier_results, stage == "rl")}
         self._stage("reused", started, run=str(earlier), **{f"{stage}_checkpoint": checkpoint.name},
                     note=f"base model, {'SFT+RL' if stage == 'rl' else 'SFT'} weights and their held-out "
                          "evaluations from an earlier run")
@@ -382,14 +410,15 @@ class Pipeline:
                     sandbox_errors=sum(r["sandbox_errors"] for r in records))
 
 
-def reused_models(continue_rl: bool) -> tuple[str, ...]:
-    """The models of an earlier run that a run started from it keeps, as that run evaluated them."""
-    return ("base", "sft", "sft+rl") if continue_rl else ("base", "sft")
+def reused_models(earlier: Any, continue_rl: bool) -> list[str]:
+    """Which of an ``earlier`` run's models (names) a run started from it keeps, as that run
+    evaluated them: base and SFT, and with ``continue_rl`` every round of RL before this one
+    (never an ablation arm: this run's arms are its own)."""
+    def kept(name: str) -> bool:
+        rounds = rl_rounds(name)
+        return name == "base" or rounds == 0 or (continue_rl and rounds is not None)
 
-
-def slug(name: str) -> str:
-    """``sft+rl (dapo)`` -> ``sft-rl-dapo``: a stage's name as a file name."""
-    return "-".join("".join(c if c.isalnum() else " " for c in name).split())
+    return [name for name in earlier if kept(name)]
 
 
 def _default_image() -> Path:

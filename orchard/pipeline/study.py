@@ -1,7 +1,8 @@
 """The pipeline over several seeds, with its ablations: is each gap larger than the seed-to-seed spread?
 
 Each seed is a whole run (its own tasks, base model, expert, SFT and RL) in ``seed-N/``. The
-summary gives, per model (``base``, ``sft``, ``sft+rl`` and any ablation arm), the held-out
+summary gives, per model (``base``, ``sft``, ``sft+rl``, any further round of RL and any
+ablation arm; ``orchard.pipeline.names``), the held-out
 success of every seed, the mean and the sample standard deviation across seeds, and for
 each comparison the per-seed (paired) gaps. A gap counts as *beyond the seed spread* when
 the difference of the means exceeds the sum of the two models' standard deviations and
@@ -16,20 +17,14 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any, Sequence
 
-from orchard.pipeline.run import SAMPLERS, PipelineConfig, reused_models, slug, run_pipeline
-
-MODELS = ("base", "sft", "sft+rl", "sft+rl+rl", "sft (resolved)", "sft (credit)",
-          *(f"{m} ({s})" for m in ("sft+rl", "sft+rl+rl") for s in SAMPLERS))
-# (worse, better) pairs the recipe claims (sft+rl+rl: RL continued, continue_rl), then the ablations' pairs
-COMPARISONS = (("base", "sft"), ("sft", "sft+rl"), ("sft+rl", "sft+rl+rl"), ("sft", "sft+rl+rl"),
-               ("sft (resolved)", "sft"), ("sft+rl (fixed)", "sft+rl"), ("sft+rl (dapo)", "sft+rl"),
-               ("sft+rl+rl (fixed)", "sft+rl+rl"), ("sft+rl+rl (dapo)", "sft+rl+rl"))
+from orchard.pipeline.names import comparisons, model_of_slug, model_order
+from orchard.pipeline.run import PipelineConfig, reused_models, run_pipeline
 
 
 def summarize(per_seed: dict[int, dict[str, float]]) -> dict[str, Any]:
     """``per_seed``: seed -> model -> held-out success (a model some seeds lack is summarized
     over the seeds that have it, and compared only on those)."""
-    models = list(dict.fromkeys(m for results in per_seed.values() for m in results))
+    models = sorted(dict.fromkeys(m for results in per_seed.values() for m in results), key=model_order)
     table = {}
     for model in models:
         seeds = [seed for seed in per_seed if model in per_seed[seed]]
@@ -37,9 +32,7 @@ def summarize(per_seed: dict[int, dict[str, float]]) -> dict[str, Any]:
         table[model] = {"seeds": seeds, "values": values, "mean": statistics.fmean(values),
                         "std": statistics.stdev(values) if len(values) > 1 else 0.0}
     gaps = []
-    for worse, better in COMPARISONS:
-        if worse not in table or better not in table:
-            continue
+    for worse, better in comparisons(models):
         both = [seed for seed in per_seed if worse in per_seed[seed] and better in per_seed[seed]]
         paired = [per_seed[seed][better] - per_seed[seed][worse] for seed in both]
         mean_gap = table[better]["mean"] - table[worse]["mean"]
@@ -74,10 +67,9 @@ def evaluated(run_dir: Path) -> dict[str, float]:
     (what a stopped run leaves): resolved over attempts the environment did not abort, as
     in the report."""
     found = {}
-    for model in MODELS:
-        path = run_dir / f"eval-{slug(model)}.jsonl"
-        if not path.exists():
-            continue
+    named = {model_of_slug(path.name[len("eval-"):-len(".jsonl")]): path for path in run_dir.glob("eval-*.jsonl")}
+    for model in sorted((m for m in named if m), key=model_order):
+        path = named[model]
         rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
         valid = [row for row in rows if row["status"] != "aborted"]
         if valid:
@@ -124,7 +116,7 @@ def run_study(config: PipelineConfig, seeds: Sequence[int], ablations: bool = Fa
             found = evaluated(seed_config.output_dir)
             if found and seed_config.start_from:
                 earlier = _reported(seed_config.start_from) or evaluated(seed_config.start_from)
-                found = {**{m: earlier[m] for m in reused_models(seed_config.continue_rl) if m in earlier}, **found}
+                found = {**{m: earlier[m] for m in reused_models(earlier, seed_config.continue_rl)}, **found}
             if found:
                 per_seed[seed] = found
             continue

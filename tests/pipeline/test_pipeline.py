@@ -132,7 +132,14 @@ def test_orchard_pipeline_runs_end_to_end_with_tiny_budgets(orchard_backend_sett
                                                          "continue_rl": True, "rl_tasks": 4}))
     chained = CliRunner().invoke(cli, ["pipeline", "--config", str(tmp_path / "chain.yaml"),
                                        "--output", str(tmp_path / "chained")])
-    assert chained.exit_code == 2 and "continued RL itself" in chained.output, chained.output
+    assert chained.exit_code == 0, chained.output  # a continuation continued: a third round, on further tasks
+    third = json.loads((tmp_path / "chained" / "report.json").read_text())
+    assert list(third["results"]) == ["base", "sft", "sft+rl", "sft+rl+rl", "sft+rl+rl+rl"]
+    assert {k: third["results"][k] for k in ("base", "sft", "sft+rl", "sft+rl+rl")} == {
+        k: continued["results"][k] for k in ("base", "sft", "sft+rl", "sft+rl+rl")}
+    assert (third["rl_rounds"], third["rl_tasks_used"]) == (3, 8) and (continued["rl_rounds"], report["rl_rounds"]) == (2, 1)
+    assert third["stages"]["rl tasks"]["after_earlier_runs"] == 4
+    assert (tmp_path / "chained" / "eval-sft-rl-rl-rl.jsonl").exists()
     (tmp_path / "again" / "rl").rename(tmp_path / "rl-moved")  # a run whose RL stage is missing
     (tmp_path / "from-again.yaml").write_text(yaml.safe_dump({**config, "start_from": str(tmp_path / "again"),
                                                               "continue_rl": True}))
@@ -185,5 +192,21 @@ def test_a_continuation_trains_on_the_rl_tasks_after_its_earlier_runs(kit_image,
     later = Pipeline(PipelineConfig(output_dir=tmp_path / "later", start_from=tmp_path / "first", continue_rl=True,
                                     **settings), progress=False)
     later_tasks = later.make_rl_tasks(skip=later._earlier_rl_tasks())
-    assert len(first_ids) == 4 and len(later_tasks) == 4 and not {t.task_id for t in later_tasks} & first_ids
+    later_ids = {t.task_id for t in later_tasks}
+    assert len(first_ids) == 4 and len(later_tasks) == 4 and not later_ids & first_ids
     assert later.report["stages"]["rl tasks"]["after_earlier_runs"] == 4
+    assert later._earlier_rl_rounds() == 1
+
+    def third_after(report: dict) -> set:
+        (tmp_path / "later" / "report.json").write_text(json.dumps(report))
+        third = Pipeline(PipelineConfig(output_dir=tmp_path / "third", start_from=tmp_path / "later",
+                                        continue_rl=True, **settings), progress=False)
+        assert third._earlier_rl_rounds() == 2
+        return {t.task_id for t in third.make_rl_tasks(skip=third._earlier_rl_tasks())}
+
+    # a continuation of a continuation comes after both, whether the report says how many tasks its chain
+    # used or (written before it did) only its own and how many it skipped
+    third_ids = third_after({"config": {"rl_tasks": 4, "continue_rl": True}, "rl_tasks_used": 8, "rl_rounds": 2})
+    assert len(third_ids) == 4 and not third_ids & (first_ids | later_ids)
+    assert third_ids == third_after({"config": {"rl_tasks": 4, "continue_rl": True},
+                                     "stages": {"rl tasks": {"after_earlier_runs": 4}}})

@@ -109,6 +109,41 @@ def test_summarizing_a_continuation_reads_what_its_earlier_run_reported_reused_e
     assert {(g["from"], g["to"]) for g in summary["gaps"]} >= {("sft+rl", "sft+rl+rl"), ("sft", "sft+rl+rl")}
 
 
+def test_a_third_round_of_rl_is_compared_with_the_round_before_and_with_sft(tmp_path):
+    from orchard.pipeline.run import PipelineConfig
+    from orchard.pipeline.study import run_study
+
+    for seed in (0, 1):
+        earlier = tmp_path / "second" / f"seed-{seed}"  # a continuation: reports every round before it
+        earlier.mkdir(parents=True)
+        (earlier / "report.json").write_text(json.dumps({"results": {
+            "base": {"pass_rate": 0.1}, "sft": {"pass_rate": 0.5}, "sft+rl": {"pass_rate": 0.6},
+            "sft+rl+rl": {"pass_rate": 0.7}, "sft+rl+rl (dapo)": {"pass_rate": 0.0}}}))
+        later = tmp_path / "third" / f"seed-{seed}"
+        later.mkdir(parents=True)
+        (later / "eval-sft-rl-rl-rl.jsonl").write_text(json.dumps({"status": "completed", "grade": {"resolved": True}}) + "\n")
+        (later / "eval-sft-rl-rl-rl-dapo.jsonl").write_text(json.dumps({"status": "completed", "grade": {}}) + "\n")
+    config = PipelineConfig(output_dir=tmp_path / "third", start_from=tmp_path / "second", continue_rl=True)
+    summary = run_study(config, [0, 1], summarize_only=True)
+    assert {model: row["values"][0] for model, row in summary["models"].items()} == {
+        "base": 0.1, "sft": 0.5, "sft+rl": 0.6, "sft+rl+rl": 0.7, "sft+rl+rl+rl": 1.0, "sft+rl+rl+rl (dapo)": 0.0}
+    assert list(summary["models"]) == ["base", "sft", "sft+rl", "sft+rl+rl", "sft+rl+rl+rl", "sft+rl+rl+rl (dapo)"]
+    assert [(g["from"], g["to"]) for g in summary["gaps"]] == [
+        ("base", "sft"), ("sft", "sft+rl"), ("sft+rl", "sft+rl+rl"), ("sft+rl+rl", "sft+rl+rl+rl"),
+        ("sft", "sft+rl+rl"), ("sft", "sft+rl+rl+rl"), ("sft+rl+rl+rl (dapo)", "sft+rl+rl+rl")]
+
+
+def test_model_names_round_trip_through_their_evaluation_files():
+    from orchard.pipeline.names import model_of_slug, rl_model, rl_rounds, slug
+
+    names = ["base", "sft", "sft (resolved)", "sft (credit)",
+             *(f"{rl_model(k)}{arm}" for k in (1, 2, 5) for arm in ("", " (bar)", " (fixed)", " (dapo)"))]
+    assert all(model_of_slug(slug(name)) == name for name in names)
+    for stray in ("sft-rl-evil", "sft-dapo", "sft-rl-resolved", "sftrl", "base-rl", "", "sft-rl-rl-"):
+        assert model_of_slug(stray) is None, stray
+    assert [rl_rounds(n) for n in ("sft", "sft+rl+rl", "base", "sft+rl (dapo)", "sft+rlx")] == [0, 2, None, None, None]
+
+
 def test_a_seed_finished_before_a_setting_was_added_is_not_run_again(tmp_path):
     from dataclasses import asdict
 
