@@ -34,7 +34,7 @@ def markdown(report: dict[str, Any]) -> str:
     if any("(" in name for name in results):
         lines += ["", "Ablation arms: `sft (resolved|credit)` is SFT from the same base model on the other data "
                       "built from the same expert trajectories; `sft+rl (sampler)` is RL from the same SFT weights "
-                      "(`sft+rl+rl (sampler)`: from the same SFT+RL weights) with another group sampler and the "
+                      "(`sft+rl+rl (sampler)` and later rounds: from the same RL weights) with another group sampler and the "
                       "same rollout budget."]
     return "\n".join(lines) + "\n"
 

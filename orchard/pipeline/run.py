@@ -16,20 +16,19 @@ import copy
 import json
 import random
 import shutil
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from orchard.pipeline.chain import PipelineInputError, dig, read_report, rl_rounds, rl_tasks_used
 from orchard.pipeline.model import BaseModelConfig
-from orchard.pipeline.names import SAMPLERS, rl_model, rl_rounds, slug
+from orchard.pipeline import names
+from orchard.pipeline.names import SAMPLERS, rl_model, slug
 from orchard.train.memory import memory_mb
 
 SYSTEM = "You fix bugs in a git repository. Reply with one ```bash block per turn; a block holding only submit ends."
-
-
-class PipelineInputError(ValueError):
-    """A run that cannot start from what it was given (the CLI reports it as a usage error)."""
 
 
 SFT_DATA = ("credit", "credit-all", "resolved")
@@ -121,9 +120,10 @@ class Pipeline:
         async with AsyncClient(backend=backend.get("name", "local"), backend_settings=backend.get("settings")) as client:
             self.client = client
             train, heldout = self.make_tasks()
-            rl_pool = self.make_rl_tasks(skip=self._earlier_rl_tasks()) or train
-            self.report["rl_tasks_used"] = self._earlier_rl_tasks() + config.rl_tasks
-            self.report["rl_rounds"] = rounds = self._earlier_rl_rounds() + 1
+            skip, rounds_before = self.chain_so_far()
+            rl_pool = self.make_rl_tasks(skip=skip) or train
+            self.report["rl_tasks_used"] = skip + config.rl_tasks
+            self.report["rl_rounds"] = rounds = rounds_before + 1
             if config.start_from:
                 model, tokenizer, results = self.reuse(config.start_from, "rl" if config.continue_rl else "sft")
             else:
@@ -136,6 +136,8 @@ class Pipeline:
                 results["sft"] = await self.evaluate("sft", model, tokenizer, heldout)
             start_weights = copy.deepcopy(model.state_dict())
             final = rl_model(rounds)
+            if final in results:
+                raise PipelineInputError(f"start_from: {config.start_from} already holds a model named {final}")
             await self.rl(model, tokenizer, rl_pool, config.rl.get("sampler", "bar"), "rl")
             results[final] = await self.evaluate(final, model, tokenizer, heldout)
             if ablations and not config.start_from:
@@ -176,39 +178,13 @@ class Pipeline:
     def _image(self) -> str:
         return self.config.image or str(_default_image())
 
-    def _earlier_report(self) -> dict[str, Any]:
-        """The report of the run that ``continue_rl`` continues ({} otherwise, or if it has none:
-        reuse() says what is missing)."""
+    def chain_so_far(self) -> tuple[int, int]:
+        """RL tasks of their own the runs before this one used, and the rounds of RL in the
+        weights it starts from: (0, 0) unless it continues RL (``orchard.pipeline.chain``)."""
         if not self.config.continue_rl:
-            return {}
-        try:
-            report = json.loads((self.config.start_from / "report.json").read_text())
-        except (OSError, ValueError):
-            return {}
-        return report if isinstance(report, dict) else {}
-
-    def _earlier_rl_tasks(self) -> int:
-        """How many RL tasks of their own the runs before this one (the chain ``continue_rl``
-        continues) trained on, so that this run's come after all of them."""
-        earlier = self._earlier_report()
-        try:
-            if "rl_tasks_used" in earlier:
-                return int(earlier["rl_tasks_used"])
-            # a report written before rl_tasks_used: its own tasks, after those its stage says it skipped
-            skipped = earlier.get("stages", {}).get("rl tasks", {}).get("after_earlier_runs", 0)
-            return int(skipped) + int(earlier.get("config", {}).get("rl_tasks", 0))
-        except (AttributeError, ValueError, TypeError):
-            return 0
-
-    def _earlier_rl_rounds(self) -> int:
-        """Rounds of RL in the weights this run starts from (0: SFT weights)."""
-        if not self.config.continue_rl:
-            return 0
-        earlier = self._earlier_report()
-        try:  # a report written before rl_rounds: a continuation was the second round
-            return int(earlier.get("rl_rounds") or (2 if earlier.get("config", {}).get("continue_rl") else 1))
-        except (AttributeError, ValueError, TypeError):
-            return 1
+            return 0, 0
+        earlier = read_report(self.config.start_from)
+        return rl_tasks_used(self.config.start_from, earlier), rl_rounds(self.config.start_from, earlier)
 
     def make_rl_tasks(self, skip: int = 0) -> list:
         """``rl_tasks`` training-split tasks that come after the suite's (and after the first
@@ -274,30 +250,45 @@ class Pipeline:
         tasks = earlier / "tasks.jsonl"
         if not tasks.exists() or tasks.read_bytes() != (self.config.output_dir / "tasks.jsonl").read_bytes():
             raise PipelineInputError(f"start_from: {earlier} was not run on this run's tasks (seed or task settings differ)")
-        checkpoints = sorted((earlier / stage).glob("checkpoint-*"), key=lambda d: int(d.name.split("-")[-1]))
+        checkpoints = sorted((d for d in (earlier / stage).glob("checkpoint-*") if d.name[len("checkpoint-"):].isdigit()),
+                             key=lambda d: int(d.name[len("checkpoint-"):]))
         report = earlier / "report.json"
         if not checkpoints or not report.exists():
             raise PipelineInputError(f"start_from: {earlier} has no finished {stage.upper()} stage "
                                      f"({stage}/checkpoint-N and report.json)")
-        earlier_report = json.loads(report.read_text())
-        steps = earlier_report.get("stages", {}).get(stage, {}).get("steps")
+        earlier_report = read_report(earlier)
+        steps = dig(earlier_report, "stages", stage, "steps")
         named = earlier / stage / f"checkpoint-{steps}"  # the run's own last step, not a leftover of another
         checkpoint = named if steps is not None and (named / "state.pt").exists() else checkpoints[-1]
         if not (earlier / "base" / "config.json").is_file():
             raise PipelineInputError(f"start_from: {earlier} has no base model (base/config.json and its tokenizer)")
+        earlier_results = earlier_report.get("results")
+        if not isinstance(earlier_results, dict):
+            raise PipelineInputError(f"start_from: {earlier}/report.json has no results (the run did not finish)")
+        results = {name: earlier_results[name] for name in reused_models(earlier_results, stage == "rl")}
         tokenizer = AutoTokenizer.from_pretrained(earlier / "base")
         model = AutoModelForCausalLM.from_pretrained(earlier / "base")
-        # this run holds its base model too, so a run started from this one (a further round of RL) finds it
-        if (earlier / "base").resolve() != (self.config.output_dir / "base").resolve():
-            shutil.copytree(earlier / "base", self.config.output_dir / "base", dirs_exist_ok=True)
-        model.load_state_dict(torch.load(checkpoint / "state.pt", weights_only=False)["model"])
+        weights = torch.load(checkpoint / "state.pt", weights_only=False)["model"]
+        self._keep_base(model, tokenizer)  # so that a run started from this one finds it here
+        model.load_state_dict(weights)
         model.eval()
-        earlier_results = earlier_report["results"]
-        results = {name: earlier_results[name] for name in reused_models(earlier_results, stage == "rl")}
         self._stage("reused", started, run=str(earlier), **{f"{stage}_checkpoint": checkpoint.name},
-                    note=f"base model, {'SFT+RL' if stage == 'rl' else 'SFT'} weights and their held-out "
+                    note=f"base model, {'RL' if stage == 'rl' else 'SFT'} weights and their held-out "
                          "evaluations from an earlier run")
         return model, tokenizer, results
+
+    def _keep_base(self, model: Any, tokenizer: Any) -> None:
+        """Save this run's own copy of its base model, replacing whatever ``base`` was there
+        (written aside and renamed into place: never half a model, never through a link)."""
+        target = self.config.output_dir / "base"
+        fresh = Path(tempfile.mkdtemp(prefix=".base-", dir=self.config.output_dir))
+        model.save_pretrained(fresh)
+        tokenizer.save_pretrained(fresh)
+        if target.is_symlink() or target.is_file():
+            target.unlink()
+        elif target.exists():
+            shutil.rmtree(target)
+        fresh.rename(target)
 
     def _engine(self, policy: Any, grade: bool = True) -> Any:
         from orchard.rollout.engine import EngineConfig, RolloutEngine
@@ -415,7 +406,7 @@ def reused_models(earlier: Any, continue_rl: bool) -> list[str]:
     evaluated them: base and SFT, and with ``continue_rl`` every round of RL before this one
     (never an ablation arm: this run's arms are its own)."""
     def kept(name: str) -> bool:
-        rounds = rl_rounds(name)
+        rounds = names.rl_rounds(name)
         return name == "base" or rounds == 0 or (continue_rl and rounds is not None)
 
     return [name for name in earlier if kept(name)]

@@ -191,22 +191,65 @@ def test_a_continuation_trains_on_the_rl_tasks_after_its_earlier_runs(kit_image,
     (tmp_path / "first" / "report.json").write_text(json.dumps({"config": {"rl_tasks": 4}}))
     later = Pipeline(PipelineConfig(output_dir=tmp_path / "later", start_from=tmp_path / "first", continue_rl=True,
                                     **settings), progress=False)
-    later_tasks = later.make_rl_tasks(skip=later._earlier_rl_tasks())
-    later_ids = {t.task_id for t in later_tasks}
-    assert len(first_ids) == 4 and len(later_tasks) == 4 and not later_ids & first_ids
+    assert later.chain_so_far() == (4, 1)
+    later_ids = {t.task_id for t in later.make_rl_tasks(skip=4)}
+    assert len(first_ids) == 4 and len(later_ids) == 4 and not later_ids & first_ids
     assert later.report["stages"]["rl tasks"]["after_earlier_runs"] == 4
-    assert later._earlier_rl_rounds() == 1
 
-    def third_after(report: dict) -> set:
+    def third_after(report: dict) -> tuple[int, int]:
         (tmp_path / "later" / "report.json").write_text(json.dumps(report))
         third = Pipeline(PipelineConfig(output_dir=tmp_path / "third", start_from=tmp_path / "later",
                                         continue_rl=True, **settings), progress=False)
-        assert third._earlier_rl_rounds() == 2
-        return {t.task_id for t in third.make_rl_tasks(skip=third._earlier_rl_tasks())}
+        return third.chain_so_far()
 
     # a continuation of a continuation comes after both, whether the report says how many tasks its chain
-    # used or (written before it did) only its own and how many it skipped
-    third_ids = third_after({"config": {"rl_tasks": 4, "continue_rl": True}, "rl_tasks_used": 8, "rl_rounds": 2})
+    # used or (written before it did) how many it skipped, or only where it started from
+    older = {"config": {"rl_tasks": 4, "continue_rl": True, "start_from": str(tmp_path / "first")}}
+    assert third_after({**older, "rl_tasks_used": 8, "rl_rounds": 2}) == (8, 2)
+    assert third_after({**older, "stages": {"rl tasks": {"after_earlier_runs": 4}}}) == (8, 2)
+    assert third_after(older) == (8, 2)
+    zero = {"config": {**older["config"], "rl_tasks": 0}}  # it trained on SFT's tasks: the first run's still count
+    assert third_after(zero) == (4, 2)
+    third_ids = {t.task_id for t in Pipeline(PipelineConfig(output_dir=tmp_path / "x", **settings),
+                                             progress=False).make_rl_tasks(skip=8)}
     assert len(third_ids) == 4 and not third_ids & (first_ids | later_ids)
-    assert third_ids == third_after({"config": {"rl_tasks": 4, "continue_rl": True},
-                                     "stages": {"rl tasks": {"after_earlier_runs": 4}}})
+
+
+@pytest.mark.parametrize("report, says", [
+    ({"config": {}, "rl_tasks_used": "eight"}, "rl_tasks_used"), ({"config": {}, "rl_tasks_used": -4}, "rl_tasks_used"),
+    ({"config": {}, "rl_tasks_used": None}, "rl_tasks_used"), ({"config": {}, "rl_tasks_used": True}, "rl_tasks_used"),
+    ({"config": {}, "rl_tasks_used": 0, "rl_rounds": -3}, "rl_rounds"),
+    ({"config": {}, "rl_tasks_used": 0, "rl_rounds": 0}, "rl_rounds"),
+    ({"config": {}, "rl_tasks_used": 0, "rl_rounds": "three"}, "rl_rounds"),
+    ({"config": {"rl_tasks": 2.5}}, "config.rl_tasks"),
+    ({"config": {"rl_tasks": 0, "continue_rl": True}}, "does not say which RL tasks"),
+    ([1, 2], "not a pipeline report"), ({"config": [1]}, "not a pipeline report")])
+def test_a_malformed_earlier_report_is_refused_never_read_as_a_default(tmp_path, report, says):
+    from orchard.pipeline.chain import PipelineInputError
+    from orchard.pipeline.run import Pipeline, PipelineConfig
+
+    (tmp_path / "earlier").mkdir()
+    (tmp_path / "earlier" / "report.json").write_text(json.dumps(report))
+    later = Pipeline(PipelineConfig(output_dir=tmp_path / "later", start_from=tmp_path / "earlier",
+                                    continue_rl=True), progress=False)
+    with pytest.raises(PipelineInputError, match=says):
+        later.chain_so_far()
+
+
+def test_a_run_keeps_its_own_base_model_replacing_a_link_or_stale_files_never_writing_through(tmp_path):
+    from orchard.pipeline.model import BaseModelConfig, build_model, build_tokenizer
+    from orchard.pipeline.run import Pipeline, PipelineConfig
+
+    tokenizer = build_tokenizer(["def f(x): return x + 1"] * 4, 300)
+    model = build_model(tokenizer, BaseModelConfig(hidden_size=16, layers=1, heads=2), 0)
+    run = Pipeline(PipelineConfig(output_dir=tmp_path / "run"), progress=False)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (tmp_path / "run" / "base").symlink_to(elsewhere)  # a link planted where the copy goes
+    run._keep_base(model, tokenizer)
+    assert list(elsewhere.iterdir()) == [] and not (tmp_path / "run" / "base").is_symlink()
+    (tmp_path / "run" / "base" / "stale.safetensors").write_text("left by another run")
+    run._keep_base(model, tokenizer)
+    kept = {p.name for p in (tmp_path / "run" / "base").iterdir()}
+    assert "config.json" in kept and "stale.safetensors" not in kept
+    assert not [p for p in (tmp_path / "run").iterdir() if p.name.startswith(".base-")]
