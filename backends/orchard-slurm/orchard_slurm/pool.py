@@ -65,6 +65,9 @@ class Pilot:
         if stopped:
             ended = "" if self.state in slurm.LIVE_STATES else f" and ended: {self.state}"
             return f"its pilot, Slurm job {self.job_id}, stopped on {stopped['signal']} ({stopped['reason']}){ended}"
+        if self.state == "SIGNALING":  # still running, but stopping: before its agent was up to say so itself
+            return (f"its pilot, Slurm job {self.job_id}, is being signalled by Slurm and stops (state SIGNALING: "
+                    "its time-limit warning, or scancel --signal)")
         cause = f" ({self.node_failure})" if self.node_failure else ""
         return f"its pilot, Slurm job {self.job_id}, ended: {self.state}{cause}"
 

@@ -153,7 +153,8 @@ def test_a_pilot_near_its_real_time_limit_stops_cleanly_on_its_own(slurm_cluster
         try:
             sandbox = await backend.create(SandboxSpec())
         except BackendUnavailable as exc:
-            assert "signal 2" in exc.message or "SIGUSR2" in exc.message, exc.message
+            # the pilot's own word (its stop record), or Slurm's state while it delivers the warning
+            assert any(why in exc.message for why in ("signal 2", "SIGUSR2", "SIGNALING")), exc.message
             await backend.shutdown()
             await backend.close()
             return
@@ -217,3 +218,15 @@ def test_min_pilots_are_one_job_array_kept_warm(slurm_cluster):
         await backend.shutdown()  # ... its owner stopping for good releases the idle pilots
 
     run_leaving_no_jobs(settings["job_name"], scenario)
+
+
+def test_a_pilot_slurm_is_signalling_is_said_to_be_stopping_not_to_have_ended(tmp_path):
+    """SIGNALING is not an end state: Slurm is delivering the time-limit warning to a job
+    that still runs (seen when it comes before the pilot's agent is up)."""
+    from orchard_slurm.pool import Pilot
+
+    pilot = Pilot("pilot-s", "7", tmp_path, 0.0, 60.0, state="SIGNALING")
+    assert not pilot.alive
+    assert "is being signalled by Slurm" in pilot.lost_reason() and "ended" not in pilot.lost_reason()
+    pilot.state = "TIMEOUT"
+    assert pilot.lost_reason() == "its pilot, Slurm job 7, ended: TIMEOUT"
