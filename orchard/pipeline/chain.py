@@ -54,7 +54,7 @@ def rl_tasks_used(run_dir: Path, report: dict[str, Any] | None = None, _depth: i
     return own + rl_tasks_used(Path(earlier), None, _depth + 1)
 
 
-def rl_rounds(run_dir: Path, report: dict[str, Any] | None = None) -> int:
+def rl_rounds_of_run(run_dir: Path, report: dict[str, Any] | None = None) -> int:
     """Rounds of RL in ``run_dir``'s RL weights (1: RL from SFT weights)."""
     report = read_report(run_dir) if report is None else report
     if "rl_rounds" in report:

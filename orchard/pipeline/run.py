@@ -22,10 +22,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from orchard.pipeline.chain import PipelineInputError, dig, read_report, rl_rounds, rl_tasks_used
+from orchard.pipeline.chain import PipelineInputError, dig, read_report, rl_rounds_of_run, rl_tasks_used
 from orchard.pipeline.model import BaseModelConfig
-from orchard.pipeline import names
-from orchard.pipeline.names import SAMPLERS, rl_model, slug
+from orchard.pipeline.names import SAMPLERS, rl_model, rl_rounds, slug
 from orchard.train.memory import memory_mb
 
 SYSTEM = "You fix bugs in a git repository. Reply with one ```bash block per turn; a block holding only submit ends."
@@ -184,7 +183,7 @@ class Pipeline:
         if not self.config.continue_rl:
             return 0, 0
         earlier = read_report(self.config.start_from)
-        return rl_tasks_used(self.config.start_from, earlier), rl_rounds(self.config.start_from, earlier)
+        return rl_tasks_used(self.config.start_from, earlier), rl_rounds_of_run(self.config.start_from, earlier)
 
     def make_rl_tasks(self, skip: int = 0) -> list:
         """``rl_tasks`` training-split tasks that come after the suite's (and after the first
@@ -406,7 +405,7 @@ def reused_models(earlier: Any, continue_rl: bool) -> list[str]:
     evaluated them: base and SFT, and with ``continue_rl`` every round of RL before this one
     (never an ablation arm: this run's arms are its own)."""
     def kept(name: str) -> bool:
-        rounds = names.rl_rounds(name)
+        rounds = rl_rounds(name)
         return name == "base" or rounds == 0 or (continue_rl and rounds is not None)
 
     return [name for name in earlier if kept(name)]
