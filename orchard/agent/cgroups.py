@@ -31,15 +31,14 @@ def _read_small(path: Path) -> bytes:
         os.close(fd)
 
 
-def move_into(group: Path, pid: int) -> None:
-    """Write ``pid`` into ``group``'s ``cgroup.procs``. It blocks: a migration waits for an RCU
-    grace period (about 10 ms here, more on a busy host) unless the hierarchy is mounted with
-    ``favordynmods`` (then about 0.05 ms); call it off the event loop."""
-    fd = os.open(group / "cgroup.procs", os.O_WRONLY | os.O_CLOEXEC)
-    try:
-        os.write(fd, b"%d\n" % pid)
-    finally:
-        os.close(fd)
+def members(group: Path) -> set[int]:
+    """The pids in ``group`` (one read of its ``cgroup.procs``; empty if it cannot be read).
+
+    Nothing here moves a process into a group by writing its pid: that takes the kernel's
+    global threadgroup lock, which waits for an RCU grace period (about 10 ms) unless the
+    hierarchy is mounted with ``favordynmods``. Processes join by writing "0" into the
+    group's ``tasks`` themselves (spawner.py, orchard_enter.c), which takes no such lock."""
+    return {int(pid) for pid in _read_small(group / "cgroup.procs").split() if pid.isdigit()}
 
 
 def _walk_bottom_up(root: Path) -> list[Path]:

@@ -1,8 +1,10 @@
 """Commands forked by the sandbox's holder instead of one ``orchard-enter`` exec each.
 
 The next command's process is forked ahead (``prepare``, after each command ends): the
-holder forks a child, the child says who it is and waits, and the agent puts it in the
-next job's cgroup, all off the critical path. Starting a command is then one message to
+holder forks a child, the child says who it is, joins the next job's cgroup when the agent
+hands it that group's ``tasks`` file, and waits, all off the critical path. (A thread that
+moves itself skips the kernel's global threadgroup lock; the agent writing the child's pid
+would wait for an RCU grace period, about 10 ms, before the next command could start.) Starting a command is then one message to
 that child (the command, its environment and stdio) and its one-byte acknowledgement.
 
 The holder (``orchard-enter --hold --spawner FD``, see ``runtimes/enter_spawner.c``) is
@@ -14,7 +16,8 @@ holder is not dumpable (no ptrace, no /proc/1/fd, no pidfd_getfd for the sandbox
 Everything the holder says is a claim of the sandbox about itself and is checked:
 - a command's pid comes from the kernel (SCM_CREDENTIALS, sent by the command's own
   process before it execs), then is pinned with a pidfd and checked to live in the
-  sandbox's PID namespace before the agent writes it into the job's cgroup or signals it;
+  sandbox's PID namespace before the agent hands it its job's cgroup or signals it; that it
+  joined the group is read from the group's member list, not taken from its answer;
 - its exit code is a number the command could have chosen anyway; the end of the command
   is also seen through the pidfd, so a report that never comes fails the job after a grace
   period, typed, never a hang;
@@ -33,12 +36,11 @@ import os
 import signal
 import socket
 import struct
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
-from orchard.agent.cgroups import move_into
+from orchard.agent.cgroups import members
 
 if TYPE_CHECKING:
     from orchard.agent.cgroups import SandboxCgroup
@@ -50,7 +52,6 @@ PAYLOAD_MAX = 60 * 1024  # enter_spawner.c's SPAWN_PAYLOAD_MAX: longer requests 
 START_TIMEOUT = 2.0  # seconds for the holder to fork and the child to say who it is, or to take its command
 REPORT_GRACE = 2.0  # seconds between the command's end (pidfd) and the holder's report
 _UCRED = struct.Struct("iII")
-_CGROUP_MOVES = ThreadPoolExecutor(max_workers=4, thread_name_prefix="orchard-cgroup")  # its own: never queued behind other work
 
 
 class SpawnerUnavailable(Exception):
@@ -233,16 +234,11 @@ class SpawnerClient:
             spawned = self._verified(pid, exited)
             spawned.cgroup = job_cgroup
             try:
-                if job_cgroup is not None:  # in a thread: a cold migration stalled every sandbox's calls
-                    move = self._loop.run_in_executor(_CGROUP_MOVES, move_into, job_cgroup, pid)
-                    try:
-                        await asyncio.shield(move)
-                    except asyncio.CancelledError:  # the group is released once the write has landed, not before
-                        await asyncio.wait([move])
-                        raise
+                if job_cgroup is not None:
+                    await self._place(ours, spawned, job_cgroup)
                 signal.pidfd_send_signal(spawned.pidfd, 0)  # still the same process
             except BaseException as exc:
-                spawned.kill()
+                spawned.kill()  # before the group is released: a killed child joins nothing after
                 spawned.close()
                 if isinstance(exc, OSError):
                     raise SpawnerUnavailable(f"could not place the command in its cgroup: {exc}") from None
@@ -257,6 +253,40 @@ class SpawnerClient:
             raise
         self._watch_end(spawned)
         return _Prepared(spawned, ours)
+
+    async def _place(self, ctl: socket.socket, spawned: Spawned, job_cgroup: Path) -> None:
+        """Hand the prepared child its job group's ``tasks`` file; it writes "0" there (moving
+        itself) and answers "g". Whether it joined is read from the group, not believed."""
+        fd = os.open(job_cgroup / "tasks", os.O_WRONLY | os.O_CLOEXEC)
+        try:
+            ctl.sendmsg([b"g"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))])
+        except OSError as exc:
+            raise SpawnerUnavailable(f"the prepared process is gone: {exc}") from None
+        finally:
+            os.close(fd)
+        if not await self._readable(ctl, spawned.exited):
+            if not spawned.exited.done():
+                self._unhealthy("a prepared process did not join its job's cgroup in time")
+            raise SpawnerUnavailable("the prepared process did not join its job's cgroup")
+        try:
+            answer = ctl.recv(1)
+        except OSError:
+            answer = b""
+        if answer != b"g":
+            raise SpawnerUnavailable("the prepared process could not join its job's cgroup")
+        if spawned.pid not in members(job_cgroup):
+            self._unhealthy(f"process {spawned.pid} said it joined {job_cgroup.name} and did not")
+            raise SpawnerUnavailable("the prepared process is not in its job's cgroup")
+
+    async def _readable(self, sock: socket.socket, exited: "asyncio.Future[int]") -> bool:
+        """Wait until ``sock`` is readable (True), or the process ended or START_TIMEOUT passed."""
+        readable = self._loop.create_future()
+        self._loop.add_reader(sock.fileno(), lambda: readable.done() or readable.set_result(None))
+        try:
+            await asyncio.wait([readable, exited], timeout=START_TIMEOUT, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            self._loop.remove_reader(sock.fileno())
+        return readable.done()
 
     async def _take(self) -> _Prepared:
         """The prepared child, or a new one; one the sandbox killed while it waited (or while it
@@ -319,23 +349,18 @@ class SpawnerClient:
                 ctl.sendmsg([payload], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", stdio))])
             except OSError as exc:
                 raise SpawnerUnavailable(f"the prepared process is gone: {exc}") from None
-            taken = self._loop.create_future()
-            self._loop.add_reader(ctl.fileno(), lambda: taken.done() or taken.set_result(None))
-            try:
-                await asyncio.wait([taken, spawned.exited], timeout=START_TIMEOUT, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                self._loop.remove_reader(ctl.fileno())
-            if not taken.done():
+            taken = await self._readable(ctl, spawned.exited)
+            if not taken:
                 spawned.kill()  # first: after this it cannot start the command any more
             try:  # read even when the reader did not fire: "x" may have come after the timeout
                 acknowledged = ctl.recv(1) == b"x"
             except OSError:
                 acknowledged = False
             if not acknowledged:
-                if not taken.done() and not spawned.exited.done():
+                if not taken and not spawned.exited.done():
                     self._unhealthy("a prepared process did not take its command in time")
                 raise SpawnerUnavailable("the prepared process did not take its command")
-            if not taken.done():  # it started the command, then we killed it: never run it twice
+            if not taken:  # it started the command, then we killed it: never run it twice
                 self._unhealthy("a prepared process took its command too late")
                 raise SpawnerLost("the command's process acknowledged it after the start timeout; it was killed")
         except BaseException:
@@ -346,15 +371,10 @@ class SpawnerClient:
 
     async def _hello(self, ours: socket.socket, exited: "asyncio.Future[int]") -> int:
         """The command's pid, as the kernel delivered it with the command's first message."""
-        readable = self._loop.create_future()
-        self._loop.add_reader(ours.fileno(), lambda: readable.done() or readable.set_result(None))
-        try:
-            await asyncio.wait([readable, exited], timeout=START_TIMEOUT, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            self._loop.remove_reader(ours.fileno())
-        if exited.done() and not readable.done():  # "fail", or the child died before saying who it is
+        readable = await self._readable(ours, exited)
+        if exited.done() and not readable:  # "fail", or the child died before saying who it is
             raise SpawnerUnavailable(str(exited.exception() or "the command died before it started"))
-        if not readable.done():
+        if not readable:
             self._unhealthy("no answer in time")
             raise SpawnerUnavailable("the spawner did not answer in time")
         try:

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from orchard.agent.cgroups import SandboxCgroup
 from orchard.agent.spawner import SpawnerClient, SpawnerLost, SpawnerUnavailable
 
 PROBE = ("grep -E '^(Uid|Gid|Groups|Cap[A-Za-z]+|NoNewPrivs|Seccomp|Seccomp_filters):' /proc/self/status; "
@@ -333,8 +334,6 @@ def _fake_holder(sock: socket.socket, forge: str) -> None:
 
 @pytest.mark.parametrize("forge", ["pid", "report"])
 def test_a_hijacked_holder_cannot_make_the_agent_act_outside_the_sandbox(tmp_path, forge):
-    from orchard.agent.cgroups import SandboxCgroup
-
     async def main() -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         client = SpawnerClient(ours, os.getpid(), SandboxCgroup(dirs={"pids": tmp_path}, job_controller="pids"))
@@ -420,8 +419,6 @@ def test_a_preparation_that_failed_with_nobody_waiting_is_replaced_for_the_next_
 def test_a_job_cgroup_being_filled_is_never_handed_out_twice(tmp_path):
     """The next command's process is written into its job group only after it said hello, and
     orchard-enter joins its group after its exec: until then the group is reserved."""
-    from orchard.agent.cgroups import SandboxCgroup
-
     cgroup = SandboxCgroup(dirs={"pids": tmp_path}, job_controller="pids")
     first = cgroup.job_dir()
     assert first is not None
@@ -434,42 +431,60 @@ def test_a_job_cgroup_being_filled_is_never_handed_out_twice(tmp_path):
     assert cgroup.job_dir() == first
 
 
-def _holder_answering_for(sock: socket.socket, pid: int, done: threading.Event) -> None:
-    """Answer one request as the holder's child would, for ``pid`` (a real process of this
-    PID namespace), and keep its control socket open until the test is done."""
+def _holder_placing(sock: socket.socket, pid: int, procs: Path, mode: str, events: dict) -> None:
+    """Answer one request as the holder's child would, for ``pid`` (a real process of this PID
+    namespace): say hello, then take the placement ("g" and the group's ``tasks`` file) and
+    answer it as ``mode`` says: ``joins`` (after ``delay``), ``lies`` ("g" without joining),
+    ``silent`` (no answer). ``procs`` stands for the group's member list: a plain file,
+    written where the child would have joined."""
     _, ancdata, _, _ = sock.recvmsg(64, socket.CMSG_SPACE(4))
     fds = array.array("i")
     for _, _, value in ancdata:
         fds.frombytes(value[:len(value) - len(value) % 4])
     with socket.socket(fileno=fds[0]) as ctl:
         ctl.sendmsg([b"p"], [(socket.SOL_SOCKET, socket.SCM_CREDENTIALS, struct.pack("iII", pid, 0, 0))])
-        done.wait(10)
+        ctl.settimeout(5)
+        data, ancdata, _, _ = ctl.recvmsg(16, socket.CMSG_SPACE(4))
+        placement = array.array("i")
+        for _, _, value in ancdata:
+            placement.frombytes(value[:len(value) - len(value) % 4])
+        events["placement"] = (data, len(placement))
+        for fd in placement:
+            os.close(fd)
+        events["asked"].set()
+        time.sleep(events.get("delay", 0))
+        if mode == "joins":
+            procs.write_text(f"{pid}\n")
+        if mode in ("joins", "lies"):
+            ctl.send(b"g")
+        events["done"].wait(10)
 
 
-def test_a_slow_cgroup_move_never_stalls_the_agents_loop(tmp_path, monkeypatch):
-    """Moving a process into a cgroup waits for an RCU grace period on most hosts (10 ms here,
-    more on a busy one); the move of the next command's process runs beside the agent's loop,
-    so other sandboxes' calls never wait for it."""
+def _fake_job_group(tmp_path: Path) -> SandboxCgroup:
+    """A directory standing for a v1 pids group with one job group: plain files named as the
+    kernel's (``tasks`` to be handed over, ``cgroup.procs`` to be read back)."""
+    job = tmp_path / "job-0"
+    job.mkdir()
+    (job / "cgroup.procs").write_text("")
+    (job / "tasks").write_text("")
+    return SandboxCgroup(dirs={"pids": tmp_path}, job_controller="pids", job_dirs=[job])
+
+
+def _prepare_against(tmp_path: Path, mode: str, delay: float = 0.0, close_when_asked: bool = False):
+    """Prepare one process against a fake holder (``_holder_placing``); returns what came of it,
+    the gaps between the loop's 10 ms ticks meanwhile, what the child was sent, whether the
+    spawner stayed usable and the group the next command would get."""
     import subprocess
 
-    import orchard.agent.spawner as spawner_module
-    from orchard.agent.cgroups import SandboxCgroup, move_into
-
-    def slow_move(group: Path, pid: int) -> None:
-        time.sleep(1.0)
-        move_into(group, pid)
-
-    monkeypatch.setattr(spawner_module, "move_into", slow_move)
     waiting = subprocess.Popen(["sleep", "30"], start_new_session=True)  # stands for the prepared child
+    cgroup = _fake_job_group(tmp_path)
+    events = {"asked": threading.Event(), "done": threading.Event(), "delay": delay}
 
-    async def main() -> list[float]:
+    async def main() -> dict:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        (tmp_path / "job-0").mkdir()
-        (tmp_path / "job-0" / "cgroup.procs").write_text("")  # a directory, not a cgroup: the move is a file write
-        cgroup = SandboxCgroup(dirs={"pids": tmp_path}, job_controller="pids", job_dirs=[tmp_path / "job-0"])
         client = SpawnerClient(ours, os.getpid(), cgroup)
-        done = threading.Event()
-        holder = threading.Thread(target=_holder_answering_for, args=(theirs, waiting.pid, done))
+        holder = threading.Thread(target=_holder_placing,
+                                  args=(theirs, waiting.pid, tmp_path / "job-0" / "cgroup.procs", mode, events))
         holder.start()
         loop = asyncio.get_running_loop()
         gaps: list[float] = []
@@ -477,70 +492,56 @@ def test_a_slow_cgroup_move_never_stalls_the_agents_loop(tmp_path, monkeypatch):
             client.prepare()
             task = client._next
             assert task is not None
+            if close_when_asked:
+                await asyncio.to_thread(events["asked"].wait, 5)
+                client.close()  # the holder went away mid-placement
             last = loop.time()
             while not task.done():
                 await asyncio.sleep(0.01)
                 gaps.append(loop.time() - last)
                 last = loop.time()
-            assert task.result().spawned.pid == waiting.pid
+            outcome = "cancelled" if task.cancelled() else (task.exception() or task.result())
+            usable = client.alive
         finally:
-            client.close()  # discards the prepared process: kills it
+            client.close()  # discards a prepared process: kills it
             await asyncio.sleep(0)
-            done.set()
+            events["done"].set()
             await asyncio.to_thread(holder.join, 5)
             theirs.close()
-        return gaps
+        return {"outcome": outcome, "gaps": gaps, "placement": events.get("placement"), "usable": usable,
+                "next_group": cgroup.job_dir()}
 
-    gaps = asyncio.run(main())
+    try:
+        return asyncio.run(main()), waiting
+    finally:
+        waiting.kill()
+
+
+def test_the_prepared_process_joins_its_job_group_itself_without_stalling_the_loop(tmp_path):
+    """The child gets the group's ``tasks`` file and moves itself (a thread moving itself
+    takes no global lock: no RCU grace period). However long it takes, the agent's loop runs on."""
+    result, waiting = _prepare_against(tmp_path, "joins", delay=1.0)
+    assert result["placement"] == (b"g", 1)  # "g" and one descriptor
+    assert result["outcome"].spawned.pid == waiting.pid
+    assert sum(result["gaps"]) >= 1.0 and max(result["gaps"]) < 0.5
+    assert result["next_group"] != tmp_path / "job-0"  # taken by the prepared process
+
+
+@pytest.mark.parametrize("mode", ["lies", "silent"])
+def test_a_placement_is_read_back_from_the_group_not_believed(tmp_path, mode):
+    """A child that answers "g" without joining, or never answers, is refused; the spawner is
+    dropped for the sandbox (commands go through orchard-enter) and the child is killed."""
+    result, waiting = _prepare_against(tmp_path, mode)
+    assert isinstance(result["outcome"], SpawnerUnavailable)
+    assert not result["usable"]
     assert waiting.wait(5) == -signal.SIGKILL
-    assert (tmp_path / "job-0" / "cgroup.procs").read_text() == f"{waiting.pid}\n"
-    assert sum(gaps) >= 1.0 and max(gaps) < 0.5  # the loop ran on while the move waited
+    assert result["next_group"] == tmp_path / "job-0"  # released: nothing joined it
 
 
-def test_a_job_group_is_not_handed_out_again_while_a_cancelled_move_into_it_runs(tmp_path, monkeypatch):
-    """The holder goes away while the prepared process is being moved into its job group: the
-    preparation ends, but the group stays reserved until the write has landed, so no other
-    command can be given a group a stale pid is about to be written into."""
-    import subprocess
-
-    import orchard.agent.spawner as spawner_module
-    from orchard.agent.cgroups import SandboxCgroup, move_into
-
-    moving = threading.Event()
-
-    def slow_move(group: Path, pid: int) -> None:
-        moving.set()
-        time.sleep(0.5)
-        move_into(group, pid)
-
-    monkeypatch.setattr(spawner_module, "move_into", slow_move)
-    waiting = subprocess.Popen(["sleep", "30"], start_new_session=True)
-    procs = tmp_path / "job-0" / "cgroup.procs"
-
-    async def main() -> list:
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        (tmp_path / "job-0").mkdir()
-        procs.write_text("")
-        cgroup = SandboxCgroup(dirs={"pids": tmp_path}, job_controller="pids", job_dirs=[tmp_path / "job-0"])
-        client = SpawnerClient(ours, os.getpid(), cgroup)
-        done = threading.Event()
-        holder = threading.Thread(target=_holder_answering_for, args=(theirs, waiting.pid, done))
-        holder.start()
-        try:
-            client.prepare()
-            task = client._next
-            assert task is not None
-            await asyncio.to_thread(moving.wait, 5)
-            client.close()  # the holder went away mid-move
-            await asyncio.sleep(0.05)
-            during = cgroup.claim_job_dir()  # the next command's group, while the write is pending
-            await asyncio.wait([task], timeout=5)
-            return [during, procs.read_text(), task.cancelled()]
-        finally:
-            done.set()
-            await asyncio.to_thread(holder.join, 5)
-            theirs.close()
-
-    during, written, cancelled = asyncio.run(main())
-    assert during != tmp_path / "job-0"  # still reserved: the stale write had not landed
-    assert written == f"{waiting.pid}\n" and waiting.wait(5) == -signal.SIGKILL and cancelled
+def test_a_placement_cut_short_kills_the_child_before_its_group_is_released(tmp_path):
+    """The holder goes away while the child is being placed: the preparation ends, the child
+    is killed (a killed process joins nothing afterwards), and only then is the group free."""
+    result, waiting = _prepare_against(tmp_path, "silent", close_when_asked=True)
+    assert result["outcome"] == "cancelled" or isinstance(result["outcome"], SpawnerUnavailable)
+    assert waiting.wait(5) == -signal.SIGKILL
+    assert result["next_group"] == tmp_path / "job-0"

@@ -6,7 +6,7 @@
  *
  *   orchard-enter [--cgroup FILE]... [--target PID --cwd DIR] [--uid N --gid N] -- ARGV...
  *
- *   --cgroup FILE  write our pid into FILE (a cgroup.procs) before anything else,
+ *   --cgroup FILE  join the cgroup of FILE (a cgroup.procs) before anything else,
  *                  so every process the command starts is accounted and limited;
  *   --target PID   join all namespaces of PID (the owner of its user namespace first,
  *                  its own user namespace last), chroot into its root,
@@ -76,7 +76,22 @@ static void die(const char *what, const char *arg) {
     _exit(125);
 }
 
+/* Join a cgroup. In a v1 hierarchy we write "0" into its `tasks`: a thread moving itself
+   skips the kernel's global threadgroup lock, whose taking waits for an RCU grace period
+   (about 10 ms, 0.04 ms this way). We have one thread, so that moves the whole process.
+   v2 has no `tasks` file: there our pid goes into cgroup.procs. */
 static void join_cgroup(const char *procs_file) {
+    char tasks[4096];
+    const char *slash = strrchr(procs_file, '/');
+    if (slash && !strcmp(slash, "/cgroup.procs") && (size_t)(slash - procs_file) + 7 < sizeof tasks) {
+        snprintf(tasks, sizeof tasks, "%.*s/tasks", (int)(slash - procs_file), procs_file);
+        int fd = open(tasks, O_WRONLY | O_CLOEXEC);
+        if (fd >= 0) {
+            if (write(fd, "0", 1) != 1) die("join cgroup", tasks);
+            close(fd);
+            return;
+        }
+    }
     int fd = open(procs_file, O_WRONLY | O_CLOEXEC);
     if (fd < 0) die("open cgroup", procs_file);
     char buf[32];
