@@ -367,6 +367,7 @@ class SpawnerClient:
             prepared.discard()
             raise
         ctl.close()
+        self.prepare()  # the next command's process, while this one runs (not after: a caller's next command would wait for it)
         return spawned
 
     async def _hello(self, ours: socket.socket, exited: "asyncio.Future[int]") -> int:

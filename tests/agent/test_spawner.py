@@ -157,6 +157,27 @@ def test_no_descriptor_leaks_over_1000_commands(sandbox, spawner_settings):
     assert ppid(sandbox) == "1"
 
 
+def _children(pid: int) -> list[str]:
+    return Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+
+
+def test_the_next_commands_process_is_forked_while_a_command_runs(sandbox):
+    """Prepared when a command starts, not when it ends: a caller's next command (a rollout's
+    next turn) would otherwise wait for the fork, the hello and the placement."""
+    holder = holder_pid(sandbox)
+    sandbox.exec("true")
+    running = threading.Thread(target=sandbox.exec, args=("sleep 1",))
+    running.start()
+    seen: set[int] = set()
+    deadline = time.monotonic() + 5
+    while running.is_alive() and time.monotonic() < deadline:
+        seen.add(len(_children(holder)))
+        time.sleep(0.01)
+    running.join()
+    assert 2 in seen, seen  # the command and the process waiting for the next one
+    assert len(_children(holder)) == 1
+
+
 def test_a_timeout_kills_the_whole_tree_and_background_processes_stay(sandbox):
     started = time.monotonic()
     assert sandbox.exec("sleep 1000 &").exit_code == 0
