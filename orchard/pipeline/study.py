@@ -7,6 +7,12 @@ success of every seed, the mean and the sample standard deviation across seeds, 
 each comparison the per-seed (paired) gaps. A gap counts as *beyond the seed spread* when
 the difference of the means exceeds the sum of the two models' standard deviations and
 every seed's own gap has the same sign: a conservative reading for three to five seeds.
+
+Beside it the summary gives the paired reading, which compares each seed with itself: the
+mean of the per-seed gaps, their standard deviation, Student's t on n - 1 degrees of freedom,
+and whether the gap is *beyond the paired spread* (t above its two-sided 95% value). Seeds
+that differ from each other a lot (one weaker SFT model) weigh on the first reading, not on
+this one; the studies report both and say which one they call met.
 """
 
 from __future__ import annotations
@@ -18,6 +24,25 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from orchard.pipeline.names import comparisons, model_of_slug, model_order
+
+# Student's t, two-sided 95% (the 0.975 quantile), by degrees of freedom; above 30 the normal's.
+T_975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
+         2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
+
+
+def paired_reading(paired: Sequence[float]) -> dict[str, Any]:
+    """Mean and standard deviation of per-seed gaps, Student's t and whether it is beyond
+    its two-sided 95% value (never for fewer than two seeds; infinite t when every seed
+    moved by the same non-zero amount)."""
+    if len(paired) < 2:
+        return {"mean": paired[0] if paired else 0.0, "std": 0.0, "t": None, "beyond": False}
+    mean, std = statistics.fmean(paired), statistics.stdev(paired)
+    if std == 0:
+        t = None if mean == 0 else float("inf") * (1 if mean > 0 else -1)
+    else:
+        t = mean / (std / len(paired) ** 0.5)
+    critical = T_975[len(paired) - 2] if len(paired) - 1 <= len(T_975) else 1.960
+    return {"mean": mean, "std": std, "t": t, "beyond": t is not None and abs(t) > critical}
 from orchard.pipeline.run import PipelineConfig, reused_models, run_pipeline
 
 
@@ -39,7 +64,8 @@ def summarize(per_seed: dict[int, dict[str, float]]) -> dict[str, Any]:
         spread = table[better]["std"] + table[worse]["std"]
         same_sign = all(g > 0 for g in paired) or all(g < 0 for g in paired)
         gaps.append({"from": worse, "to": better, "seeds": both, "gap": mean_gap, "paired": paired, "spread": spread,
-                     "beyond_spread": len(paired) > 1 and abs(mean_gap) > spread and same_sign})
+                     "beyond_spread": len(paired) > 1 and abs(mean_gap) > spread and same_sign,
+                     "paired_reading": paired_reading(paired)})
     return {"seeds": list(per_seed), "models": table, "gaps": gaps}
 
 
@@ -53,12 +79,15 @@ def markdown(summary: dict[str, Any]) -> str:
         value = dict(zip(row["seeds"], row["values"]))
         lines.append(f"| {model} | " + " | ".join(f"{value[s]:.3f}" if s in value else "-" for s in seeds)
                      + f" | {row['mean']:.3f} | {row['std']:.3f} |")
-    lines += ["", "| comparison | gap of means | per-seed gaps | sum of stds | beyond the seed spread |",
-              "|---|---|---|---|---|"]
+    lines += ["", "| comparison | gap of means | per-seed gaps | sum of stds | beyond the seed spread "
+              "| paired: std of gaps, t | beyond the paired spread |", "|---|---|---|---|---|---|---|"]
     for gap in summary["gaps"]:
+        reading = gap["paired_reading"]
+        t = "-" if reading["t"] is None else f"{reading['t']:+.1f}"
         lines.append(f"| {gap['from']} -> {gap['to']} | {gap['gap']:+.3f} | "
                      + ", ".join(f"{g:+.3f}" for g in gap["paired"])
-                     + f" | {gap['spread']:.3f} | {'yes' if gap['beyond_spread'] else 'no'} |")
+                     + f" | {gap['spread']:.3f} | {'yes' if gap['beyond_spread'] else 'no'}"
+                     + f" | {reading['std']:.3f}, {t} | {'yes' if reading['beyond'] else 'no'} |")
     return "\n".join(lines) + "\n"
 
 

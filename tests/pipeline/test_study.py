@@ -10,7 +10,7 @@ import yaml
 from click.testing import CliRunner
 
 from orchard.cli.main import cli
-from orchard.pipeline.study import summarize
+from orchard.pipeline.study import markdown, summarize
 
 
 def test_a_gap_is_beyond_the_spread_only_when_means_differ_by_more_than_both_stds_and_every_seed_agrees():
@@ -29,6 +29,26 @@ def test_a_gap_is_beyond_the_spread_only_when_means_differ_by_more_than_both_std
     partial = summarize({0: {"base": 0.1, "sft": 0.5, "sft (resolved)": 0.3}, 1: {"base": 0.2, "sft": 0.6}})
     assert partial["models"]["sft (resolved)"] == {"seeds": [0], "values": [0.3], "mean": 0.3, "std": 0.0}
     assert next(g for g in partial["gaps"] if g["from"] == "sft (resolved)")["seeds"] == [0]
+
+
+def test_the_paired_reading_compares_each_seed_with_itself():
+    """Session 15's figures: SFT 0.530/0.575/0.330, after three rounds of RL 0.740/0.780/0.490.
+    Not beyond the spread of the seeds (0.192 < 0.288), beyond the paired spread (t = 12.1)."""
+    summary = summarize({0: {"sft": 0.530, "sft+rl": 0.740}, 1: {"sft": 0.575, "sft+rl": 0.780},
+                         2: {"sft": 0.330, "sft+rl": 0.490}})
+    gap = summary["gaps"][0]
+    assert not gap["beyond_spread"]
+    reading = gap["paired_reading"]
+    assert reading["mean"] == pytest.approx(0.19167, abs=1e-4)
+    assert reading["std"] == pytest.approx(0.02754, abs=1e-4)
+    assert reading["t"] == pytest.approx(12.05, abs=0.01) and reading["beyond"]
+    noisy = summarize({0: {"sft": 0.5, "sft+rl": 0.6}, 1: {"sft": 0.5, "sft+rl": 0.4}, 2: {"sft": 0.5, "sft+rl": 0.65}})
+    assert not noisy["gaps"][0]["paired_reading"]["beyond"], "t = 0.8: within the paired spread"
+    same = summarize({0: {"sft": 0.5, "sft+rl": 0.75}, 1: {"sft": 0.25, "sft+rl": 0.5}})
+    assert same["gaps"][0]["paired_reading"]["t"] == float("inf") and same["gaps"][0]["paired_reading"]["beyond"]
+    one = summarize({0: {"sft": 0.5, "sft+rl": 0.9}})
+    assert one["gaps"][0]["paired_reading"] == {"mean": pytest.approx(0.4), "std": 0.0, "t": None, "beyond": False}
+    assert "| 0.028, +12.1 | yes |" in markdown(summary)
 
 
 def test_a_two_seed_study_runs_every_arm_and_resumes_without_rerunning(orchard_backend_settings, kit_image,
