@@ -141,7 +141,7 @@ class JobRunner:
             record.done.set()
             record.release_spools()
             spawner = runtime.spawner(sandbox)
-            if spawner is not None:  # the next command's process, forked after this answer is on its way
+            if spawner is not None:  # the next command's process, unless its start already asked for it
                 asyncio.get_running_loop().call_soon(spawner.prepare)
 
     def _fail(self, record: JobRecord, error_type: str, message: str) -> None:

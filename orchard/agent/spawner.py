@@ -1,6 +1,6 @@
 """Commands forked by the sandbox's holder instead of one ``orchard-enter`` exec each.
 
-The next command's process is forked ahead (``prepare``, after each command ends): the
+The next command's process is forked ahead (``prepare``, as each command starts): the
 holder forks a child, the child says who it is, joins the next job's cgroup when the agent
 hands it that group's ``tasks`` file, and waits, all off the critical path. (A thread that
 moves itself skips the kernel's global threadgroup lock; the agent writing the child's pid
