@@ -20,6 +20,7 @@ from typing import Optional, Sequence
 
 from orchard.pipeline.choice import CANDIDATES
 from orchard.rollout.actions import SUBMIT_TURN, bash_block
+from orchard.rollout.policy import Context
 from orchard.rollout.policies.scripted import ScriptedPolicy
 from orchard.rollout.sample import RolloutSample
 from orchard.tasks import Task
@@ -39,10 +40,18 @@ class NoisyExpert(ScriptedPolicy):
 
     def __init__(self, tasks: Sequence[Task], p_correct: float = 0.5, p_recover: float = 0.5, p_undo: float = 0.25,
                  seed: Optional[int] = None) -> None:
-        self.rng = random.Random(seed)
+        self.seed = seed
+        self.rng = random.Random(seed)  # for conversations outside the rollout loop (no rollout key)
         self.p_correct, self.p_recover, self.p_undo = p_correct, p_recover, p_undo
         self.by_statement = {task.problem_statement.strip(): task.metadata["choice"] for task in tasks}
         super().__init__(self._turn)
+
+    def write(self, context: Context, turn: int) -> str:
+        """Each rollout's draws come from its own stream, keyed by the seed, the rollout
+        (task and attempt) and the turn: the trajectories of a seed are the same whatever
+        order concurrent rollouts ran in (one shared generator made them differ run to run)."""
+        rng = random.Random(f"{self.seed}/{context.rollout}/{turn}") if context.rollout else self.rng
+        return self._turn([dict(m) for m in context.messages], turn, rng)
 
     def _choice(self, messages: list[dict[str, str]]) -> dict:
         prompt = next(m["content"] for m in messages if m["role"] == "user")
@@ -51,21 +60,22 @@ class NoisyExpert(ScriptedPolicy):
                 return choice
         raise ValueError("the expert was not given this task")
 
-    def _turn(self, messages: list[dict[str, str]], turn: int) -> str:
+    def _turn(self, messages: list[dict[str, str]], turn: int, rng: Optional[random.Random] = None) -> str:
         """apply a candidate; test; then recover, undo or submit; test a recovery; submit."""
+        rng = rng or self.rng
         choice = self._choice(messages)
         fix, wrong = choice["fix"], [c for c in choice["candidates"] if c != choice["fix"]]
         previous = [m["content"] for m in messages if m["role"] == "assistant"]
         if turn == 0:
-            return bash_block(apply_command(fix if not wrong or self.rng.random() < self.p_correct
-                                            else self.rng.choice(wrong)))
+            return bash_block(apply_command(fix if not wrong or rng.random() < self.p_correct
+                                            else rng.choice(wrong)))
         if turn == 1:
             return bash_block(TEST_COMMAND)
         if turn == 2:
             passed = messages[-1]["content"].rstrip().endswith("OK")
-            if not passed and self.rng.random() < self.p_recover:
+            if not passed and rng.random() < self.p_recover:
                 return bash_block(f"{UNDO} && {apply_command(fix)}")
-            if passed and self.rng.random() < self.p_undo:
+            if passed and rng.random() < self.p_undo:
                 return bash_block(UNDO)
             return SUBMIT_TURN
         if turn == 3 and apply_command(fix) in previous[-1]:

@@ -149,6 +149,7 @@ async def run_episode(policy: Policy, sandbox: AsyncSandbox, task: Task, config:
 
     try:
         context = await _within(policy.begin(task_messages(task, config)), left)
+        context.rollout = f"{task.task_id}/{attempt}"
         for _ in range(config.max_turns):
             budget = min(config.max_tokens_per_turn, config.max_total_tokens - policy.tokens_of(context))
             if budget < 1:

@@ -44,6 +44,10 @@ class Context:
     loss_mask: list[int] = field(default_factory=list)
     prompt_length: int = 0
     state: Any = None  # the policy's own (e.g. a KV cache handle); never serialized
+    # Who this rollout is ("TASK_ID/ATTEMPT"), set by the rollout loop after ``begin``. A policy
+    # that draws at random can key its draws to it, so that a rollout's draws do not depend on
+    # which rollouts ran beside it or finished first ("" outside the loop).
+    rollout: str = ""
 
     @property
     def tokenized(self) -> bool:

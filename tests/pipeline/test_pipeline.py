@@ -88,6 +88,23 @@ def test_the_noisy_expert_leaves_good_steps_in_failed_trajectories(orchard_backe
         assert max(v) == 1.0 and v[-1] == 0.0
 
 
+def test_the_noisy_experts_trajectories_do_not_depend_on_the_order_rollouts_ran_in(orchard_backend_settings, suite):
+    """Each rollout draws from a stream keyed by the seed, its task, attempt and turn: one at a
+    time or four at once, a seed gives the same trajectories (a shared generator, drawn from
+    in whatever order rollouts reached it, gave different SFT data run to run)."""
+    async def trajectories(concurrency: int) -> dict:
+        async with AsyncClient(backend_settings=orchard_backend_settings["local"]) as client:
+            expert = NoisyExpert(suite, p_correct=0.5, p_recover=0.5, p_undo=0.5, seed=11)
+            async with RolloutEngine(client, expert, EngineConfig(max_concurrent=concurrency)) as engine:
+                samples = await engine.run(suite, attempts=2)
+        return {(s.task_id, s.attempt): [turn.text for turn in s.turns] for s in samples}
+
+    one_at_a_time, four_at_once = asyncio.run(trajectories(1)), asyncio.run(trajectories(4))
+    assert len(one_at_a_time) == 2 * len(suite)
+    assert one_at_a_time == four_at_once
+    assert len({tuple(turns) for turns in one_at_a_time.values()}) > 2, "the draws still differ between rollouts"
+
+
 def test_orchard_pipeline_runs_end_to_end_with_tiny_budgets(orchard_backend_settings, kit_image, tmp_path):
     config = {"backend": {"name": "local", "settings": orchard_backend_settings["local"]}, "image": kit_image,
               "tasks": 16, "model": {"pretrain_steps": 3, "hidden_size": 32, "layers": 1, "heads": 2},

@@ -78,7 +78,7 @@ class ScriptedPolicy(Policy):
 
     async def act(self, context: Context, max_tokens: int) -> Generation:
         turn = sum(1 for m in context.messages if m["role"] == "assistant")
-        text = self.script([dict(m) for m in context.messages], turn)
+        text = self.write(context, turn)
         if not isinstance(text, str):
             raise TypeError(f"the script returned {type(text).__name__} for turn {turn}, not a string")
         self.calls += 1
@@ -90,6 +90,10 @@ class ScriptedPolicy(Policy):
             context.append(([] if ended else [END_OF_TURN]) + encode_text("\n"))  # the template's glue
         context.messages.append({"role": "assistant", "content": generation.text})
         return generation
+
+    def write(self, context: Context, turn: int) -> str:
+        """The text of ``turn``: the script's, from a copy of the conversation."""
+        return self.script([dict(m) for m in context.messages], turn)
 
     async def observe(self, context: Context, text: str) -> None:
         context.messages.append({"role": "user", "content": text})
