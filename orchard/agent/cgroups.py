@@ -31,14 +31,15 @@ def _read_small(path: Path) -> bytes:
         os.close(fd)
 
 
-def members(group: Path) -> set[int]:
-    """The pids in ``group`` (one read of its ``cgroup.procs``; empty if it cannot be read).
+def members(group: Path, listing: str = "cgroup.procs") -> set[int]:
+    """The pids in ``group`` (one read of its ``cgroup.procs``, or of ``tasks`` for the
+    thread ids; empty if it cannot be read).
 
     Nothing here moves a process into a group by writing its pid: that takes the kernel's
     global threadgroup lock, which waits for an RCU grace period (about 10 ms) unless the
     hierarchy is mounted with ``favordynmods``. Processes join by writing "0" into the
     group's ``tasks`` themselves (spawner.py, orchard_enter.c), which takes no such lock."""
-    return {int(pid) for pid in _read_small(group / "cgroup.procs").split() if pid.isdigit()}
+    return {int(pid) for pid in _read_small(group / listing).split() if pid.isdigit()}
 
 
 def _walk_bottom_up(root: Path) -> list[Path]:
@@ -59,6 +60,7 @@ class SandboxCgroup:
     job_dirs: list[Path] = field(default_factory=list)
     oom_kills_seen: int = 0
     reserved: set[Path] = field(default_factory=set)  # claimed, not yet visibly occupied (claim_job_dir)
+    job_count: int = 0  # job groups made so far: names are never reused, retired ones included
 
     @property
     def procs_files(self) -> list[str]:
@@ -75,13 +77,24 @@ class SandboxCgroup:
         for path in self.job_dirs:
             if path not in self.reserved and not _read_small(path / "cgroup.procs").strip():
                 return path
-        path = self.dirs[self.job_controller] / f"job-{len(self.job_dirs)}"
-        try:
-            path.mkdir()
-        except OSError:
-            return None
-        self.job_dirs.append(path)
-        return path
+        self.job_count = max(self.job_count, len(self.job_dirs))
+        while True:
+            path = self.dirs[self.job_controller] / f"job-{self.job_count}"
+            self.job_count += 1
+            try:
+                path.mkdir()
+            except FileExistsError:  # a retired group's name
+                continue
+            except OSError:
+                return None
+            self.job_dirs.append(path)
+            return path
+
+    def retire_job_dir(self, path: Path) -> None:
+        """Never hand ``path`` out again (it stays until the sandbox's groups are removed)."""
+        self.job_count = max(self.job_count, len(self.job_dirs))
+        if path in self.job_dirs:
+            self.job_dirs.remove(path)
 
     def claim_job_dir(self) -> Optional[Path]:
         """``job_dir``, kept from everyone else until ``release_job_dir``: for a process that

@@ -138,17 +138,21 @@ class SpawnerClient:
         self.namespace = pid_namespace(holder_pid)  # the sandbox's: the holder is its PID 1
         self._holder_stat = f"/proc/{holder_pid}/stat"
         self.cgroup = cgroup
-        self.alive = True
+        self.alive = True  # takes new commands; False once retired or closed (then: orchard-enter)
+        self._reading = True
         self._next_id = 0
         self._pending: dict[int, asyncio.Future[int]] = {}
+        self._running: set[asyncio.Future[int]] = set()  # ends of commands started and not yet reported
         self._next: Optional[asyncio.Task[_Prepared]] = None
         self._loop = asyncio.get_running_loop()
         self._loop.add_reader(self.sock.fileno(), self._on_readable)
 
     def close(self) -> None:
-        if self.alive:
+        """The holder is gone, or the sandbox is: every command still waiting hears SpawnerLost."""
+        self.alive = False
+        if self._reading:
             self._loop.remove_reader(self.sock.fileno())
-            self.alive = False
+            self._reading = False
         self.sock.close()
         if self._next is not None:
             self._forget(self._next)
@@ -238,7 +242,7 @@ class SpawnerClient:
                     await self._place(ours, spawned, job_cgroup)
                 signal.pidfd_send_signal(spawned.pidfd, 0)  # still the same process
             except BaseException as exc:
-                spawned.kill()  # before the group is released: a killed child joins nothing after
+                spawned.kill()  # before the group is released: a killed child starts no join (one in flight may land; its group then reads busy, or is killed with it)
                 spawned.close()
                 if isinstance(exc, OSError):
                     raise SpawnerUnavailable(f"could not place the command in its cgroup: {exc}") from None
@@ -256,7 +260,13 @@ class SpawnerClient:
 
     async def _place(self, ctl: socket.socket, spawned: Spawned, job_cgroup: Path) -> None:
         """Hand the prepared child its job group's ``tasks`` file; it writes "0" there (moving
-        itself) and answers "g". Whether it joined is read from the group, not believed."""
+        itself) and answers "g". Whether it joined is read from the group, not believed.
+
+        Invariant: the child is not dumpable from its fork until it has closed that descriptor
+        (enter_spawner.c), so no process of the sandbox can take it (ptrace, /proc/PID/fd,
+        pidfd_getfd). Written to by another holder, it could move the sandbox's own threads into
+        this group (cgroup v1 checks the opener's credentials): out of reach of a job's kill,
+        never outside the sandbox. A group whose descriptor went out unused is retired."""
         fd = os.open(job_cgroup / "tasks", os.O_WRONLY | os.O_CLOEXEC)
         try:
             ctl.sendmsg([b"g"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))])
@@ -264,19 +274,31 @@ class SpawnerClient:
             raise SpawnerUnavailable(f"the prepared process is gone: {exc}") from None
         finally:
             os.close(fd)
-        if not await self._readable(ctl, spawned.exited):
-            if not spawned.exited.done():
-                self._unhealthy("a prepared process did not join its job's cgroup in time")
-            raise SpawnerUnavailable("the prepared process did not join its job's cgroup")
+        answered = False
         try:
-            answer = ctl.recv(1)
-        except OSError:
-            answer = b""
-        if answer != b"g":
-            raise SpawnerUnavailable("the prepared process could not join its job's cgroup")
-        if spawned.pid not in members(job_cgroup):
-            self._unhealthy(f"process {spawned.pid} said it joined {job_cgroup.name} and did not")
-            raise SpawnerUnavailable("the prepared process is not in its job's cgroup")
+            if not await self._readable(ctl, spawned.exited):
+                if not spawned.exited.done():
+                    self._unhealthy("a prepared process did not join its job's cgroup in time")
+                raise SpawnerUnavailable("the prepared process did not join its job's cgroup")
+            try:
+                answer = ctl.recv(1)
+            except OSError:
+                answer = b""
+            if answer != b"g":
+                raise SpawnerUnavailable("the prepared process could not join its job's cgroup")
+            if spawned.pid not in members(job_cgroup, "tasks"):  # its own thread, not just any of its threads
+                self._unhealthy(f"process {spawned.pid} said it joined {job_cgroup.name} and did not")
+                raise SpawnerUnavailable("the prepared process is not in its job's cgroup")
+            answered = True
+        finally:
+            if not answered:  # its descriptor went to a process that did not use it as asked
+                self._retire_group(job_cgroup)
+
+    def _retire_group(self, job_cgroup: Path) -> None:
+        """The group's ``tasks`` descriptor went to a process that did not say it used it and
+        closed it: never hand that group out again (a new one is made)."""
+        if self.cgroup is not None:
+            self.cgroup.retire_job_dir(job_cgroup)
 
     async def _readable(self, sock: socket.socket, exited: "asyncio.Future[int]") -> bool:
         """Wait until ``sock`` is readable (True), or the process ended or START_TIMEOUT passed."""
@@ -367,6 +389,7 @@ class SpawnerClient:
             prepared.discard()
             raise
         ctl.close()
+        self._started(spawned.exited)
         self.prepare()  # the next command's process, while this one runs (not after: a caller's next command would wait for it)
         return spawned
 
@@ -425,5 +448,23 @@ class SpawnerClient:
             self._unhealthy("no exit report")
 
     def _unhealthy(self, why: str) -> None:
+        """Take no more commands (they go through orchard-enter), drop the waiting process, and
+        close once the commands already running have been reported: a preparation that failed
+        beside a running command must not take that command's end with it."""
         log.warning("spawner: %s; commands of this sandbox now go through orchard-enter", why)
-        self.close()
+        self.alive = False
+        if self._next is not None:
+            self._forget(self._next)
+            self._next = None
+        if not self._running:
+            self.close()
+
+    def _started(self, exited: "asyncio.Future[int]") -> None:
+        self._running.add(exited)
+
+        def reported(done: "asyncio.Future[int]") -> None:
+            self._running.discard(done)
+            if not self.alive and self._reading and not self._running:
+                self.close()
+
+        exited.add_done_callback(reported)

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from orchard.agent.cgroups import SandboxCgroup
-from orchard.agent.spawner import SpawnerClient, SpawnerLost, SpawnerUnavailable
+from orchard.agent.spawner import START_TIMEOUT, SpawnerClient, SpawnerLost, SpawnerUnavailable
 
 PROBE = ("grep -E '^(Uid|Gid|Groups|Cap[A-Za-z]+|NoNewPrivs|Seccomp|Seccomp_filters):' /proc/self/status; "
          "cat /proc/self/oom_score_adj; pwd; ls /proc/self/fd | wc -l; "
@@ -155,6 +155,70 @@ def test_no_descriptor_leaks_over_1000_commands(sandbox, spawner_settings):
     assert after[1] == before[1]
     assert after[0] <= before[0] + 2  # connections of the client may come and go
     assert ppid(sandbox) == "1"
+
+
+def _holder_silent_on_the_second_request(sock: socket.socket, pid: int, events: dict) -> None:
+    """Start one command (for ``pid``, a real process of this PID namespace), then leave the
+    next command's preparation unanswered for longer than START_TIMEOUT, then report the
+    command's end, as a holder whose new child the scheduler starved (or the sandbox stopped)."""
+    sock.settimeout(10)
+    _, ancdata, _, _ = sock.recvmsg(64, socket.CMSG_SPACE(4))
+    fds = array.array("i")
+    for _, _, value in ancdata:
+        fds.frombytes(value[:len(value) - len(value) % 4])
+    with socket.socket(fileno=fds[0]) as ctl:
+        ctl.sendmsg([b"p"], [(socket.SOL_SOCKET, socket.SCM_CREDENTIALS, struct.pack("iII", pid, 0, 0))])
+        ctl.settimeout(10)
+        _, command_fds, _, _ = ctl.recvmsg(1024, socket.CMSG_SPACE(12))
+        for _, _, value in command_fds:
+            for fd in array.array("i", value[:len(value) - len(value) % 4]):
+                os.close(fd)
+        ctl.send(b"x")
+    data, ancdata, _, _ = sock.recvmsg(64, socket.CMSG_SPACE(4))  # the next command's preparation
+    events["next_request"] = data
+    held = [fd for _, _, value in ancdata for fd in array.array("i", value[:len(value) - len(value) % 4])]
+    time.sleep(START_TIMEOUT + 1)  # its control socket open, never answered
+    sock.send(b"exit 1 7")
+    events["reported"].set()
+    events["done"].wait(10)
+    for fd in held:
+        os.close(fd)
+
+
+def test_a_preparation_failing_beside_a_running_command_leaves_that_command_alone():
+    """The next command's process is prepared while a command runs; when that preparation
+    fails (no answer in time), the spawner takes no more commands, but the running one still
+    gets its end reported, not SpawnerLost (which killed it and lost its output)."""
+    import subprocess
+
+    command = subprocess.Popen(["sleep", "30"], start_new_session=True)  # stands for the running command
+    events = {"reported": threading.Event(), "done": threading.Event()}
+
+    async def main() -> dict:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        client = SpawnerClient(ours, os.getpid())
+        holder = threading.Thread(target=_holder_silent_on_the_second_request, args=(theirs, command.pid, events))
+        holder.start()
+        stdio = (os.open("/dev/null", os.O_RDONLY),) * 3
+        try:
+            spawned = await client.spawn(["true"], {}, "/", stdio)
+            code = await asyncio.wait_for(spawned.exited, START_TIMEOUT + 5)
+            taking = client.alive
+            await asyncio.sleep(0)
+            return {"code": code, "taking": taking, "reading": client._reading}
+        finally:
+            os.close(stdio[0])
+            client.close()
+            events["done"].set()
+            await asyncio.to_thread(holder.join, 10)
+            theirs.close()
+
+    try:
+        result = asyncio.run(main())
+    finally:
+        command.kill()
+    assert events["next_request"] == b"2"  # the preparation that went unanswered
+    assert result == {"code": 7, "taking": False, "reading": False}  # reported; then retired and closed
 
 
 def _children(pid: int) -> list[str]:
@@ -332,7 +396,7 @@ def test_a_waiting_process_the_sandbox_stopped_costs_one_wait_not_a_wrong_answer
 # -- the agent believes nothing the holder says ----------------------------------------
 
 
-def _fake_holder(sock: socket.socket, forge: str) -> None:
+def _fake_holder(sock: socket.socket, forge: str, received: list) -> None:
     """Answer one request as a hijacked holder would: with a child claiming this (host)
     process's credentials, or with an impossible report."""
     data, ancdata, _, _ = sock.recvmsg(64, socket.CMSG_SPACE(4))
@@ -344,9 +408,10 @@ def _fake_holder(sock: socket.socket, forge: str) -> None:
         ctl.sendmsg([b"p"], [(socket.SOL_SOCKET, socket.SCM_CREDENTIALS, struct.pack("iII", os.getpid(), 0, 0))])
         ctl.settimeout(5)
         try:
-            ctl.recv(1)  # never gets a command
+            data, ancdata, _, _ = ctl.recvmsg(64, socket.CMSG_SPACE(16))  # never gets a placement or a command
         except OSError:
-            pass
+            data, ancdata = b"", []
+        received.extend([data, *ancdata] if data or ancdata else [])
     elif forge == "report":
         ctl.close()
         sock.send(b"exit " + data + b" 99999")
@@ -355,11 +420,13 @@ def _fake_holder(sock: socket.socket, forge: str) -> None:
 
 @pytest.mark.parametrize("forge", ["pid", "report"])
 def test_a_hijacked_holder_cannot_make_the_agent_act_outside_the_sandbox(tmp_path, forge):
+    received: list = []
+
     async def main() -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         client = SpawnerClient(ours, os.getpid(), SandboxCgroup(dirs={"pids": tmp_path}, job_controller="pids"))
         client.namespace = (0, 0)  # the "sandbox" is a PID namespace this process is not in
-        holder = threading.Thread(target=_fake_holder, args=(theirs, forge))
+        holder = threading.Thread(target=_fake_holder, args=(theirs, forge, received))
         holder.start()
         stdio = (os.open("/dev/null", os.O_RDONLY),) * 3
         try:
@@ -374,6 +441,7 @@ def test_a_hijacked_holder_cannot_make_the_agent_act_outside_the_sandbox(tmp_pat
     asyncio.run(main())
     procs = tmp_path / "job-0" / "cgroup.procs"
     assert not procs.exists() or procs.read_text() == ""  # nothing was moved, nothing signalled
+    assert received == []  # no job group's descriptor and no command reached the forged process
 
 
 def test_a_holder_gone_while_the_process_is_prepared_is_a_typed_refusal_not_a_cancellation(tmp_path):
@@ -456,8 +524,8 @@ def _holder_placing(sock: socket.socket, pid: int, procs: Path, mode: str, event
     """Answer one request as the holder's child would, for ``pid`` (a real process of this PID
     namespace): say hello, then take the placement ("g" and the group's ``tasks`` file) and
     answer it as ``mode`` says: ``joins`` (after ``delay``), ``lies`` ("g" without joining),
-    ``silent`` (no answer). ``procs`` stands for the group's member list: a plain file,
-    written where the child would have joined."""
+    ``silent`` (no answer). ``procs`` stands for the group's thread list (``tasks``): a plain
+    file, written where the child would have joined."""
     _, ancdata, _, _ = sock.recvmsg(64, socket.CMSG_SPACE(4))
     fds = array.array("i")
     for _, _, value in ancdata:
@@ -476,6 +544,7 @@ def _holder_placing(sock: socket.socket, pid: int, procs: Path, mode: str, event
         time.sleep(events.get("delay", 0))
         if mode == "joins":
             procs.write_text(f"{pid}\n")
+            procs.with_name("cgroup.procs").write_text(f"{pid}\n")
         if mode in ("joins", "lies"):
             ctl.send(b"g")
         events["done"].wait(10)
@@ -483,7 +552,7 @@ def _holder_placing(sock: socket.socket, pid: int, procs: Path, mode: str, event
 
 def _fake_job_group(tmp_path: Path) -> SandboxCgroup:
     """A directory standing for a v1 pids group with one job group: plain files named as the
-    kernel's (``tasks`` to be handed over, ``cgroup.procs`` to be read back)."""
+    kernel's (``tasks``, handed over and read back; ``cgroup.procs``, read to find a free group)."""
     job = tmp_path / "job-0"
     job.mkdir()
     (job / "cgroup.procs").write_text("")
@@ -505,7 +574,7 @@ def _prepare_against(tmp_path: Path, mode: str, delay: float = 0.0, close_when_a
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         client = SpawnerClient(ours, os.getpid(), cgroup)
         holder = threading.Thread(target=_holder_placing,
-                                  args=(theirs, waiting.pid, tmp_path / "job-0" / "cgroup.procs", mode, events))
+                                  args=(theirs, waiting.pid, tmp_path / "job-0" / "tasks", mode, events))
         holder.start()
         loop = asyncio.get_running_loop()
         gaps: list[float] = []
@@ -551,18 +620,19 @@ def test_the_prepared_process_joins_its_job_group_itself_without_stalling_the_lo
 @pytest.mark.parametrize("mode", ["lies", "silent"])
 def test_a_placement_is_read_back_from_the_group_not_believed(tmp_path, mode):
     """A child that answers "g" without joining, or never answers, is refused; the spawner is
-    dropped for the sandbox (commands go through orchard-enter) and the child is killed."""
+    dropped for the sandbox (commands go through orchard-enter), the child is killed, and the
+    group whose descriptor it held is never handed out again."""
     result, waiting = _prepare_against(tmp_path, mode)
     assert isinstance(result["outcome"], SpawnerUnavailable)
     assert not result["usable"]
     assert waiting.wait(5) == -signal.SIGKILL
-    assert result["next_group"] == tmp_path / "job-0"  # released: nothing joined it
+    assert result["next_group"] not in (None, tmp_path / "job-0")  # a new group: job-0 is retired
 
 
 def test_a_placement_cut_short_kills_the_child_before_its_group_is_released(tmp_path):
     """The holder goes away while the child is being placed: the preparation ends, the child
-    is killed (a killed process joins nothing afterwards), and only then is the group free."""
+    is killed before its group is released, and that group (its descriptor went out) is retired."""
     result, waiting = _prepare_against(tmp_path, "silent", close_when_asked=True)
     assert result["outcome"] == "cancelled" or isinstance(result["outcome"], SpawnerUnavailable)
     assert waiting.wait(5) == -signal.SIGKILL
-    assert result["next_group"] == tmp_path / "job-0"
+    assert result["next_group"] not in (None, tmp_path / "job-0")
