@@ -157,26 +157,27 @@ def test_no_descriptor_leaks_over_1000_commands(sandbox, spawner_settings):
     assert ppid(sandbox) == "1"
 
 
+def _descriptors(ancdata: list) -> list[int]:
+    """The descriptors a message carried (SCM_RIGHTS), as a fake holder or child receives them."""
+    return [fd for _, _, value in ancdata for fd in array.array("i", value[:len(value) - len(value) % 4])]
+
+
 def _holder_silent_on_the_second_request(sock: socket.socket, pid: int, events: dict) -> None:
     """Start one command (for ``pid``, a real process of this PID namespace), then leave the
     next command's preparation unanswered for longer than START_TIMEOUT, then report the
     command's end, as a holder whose new child the scheduler starved (or the sandbox stopped)."""
     sock.settimeout(10)
     _, ancdata, _, _ = sock.recvmsg(64, socket.CMSG_SPACE(4))
-    fds = array.array("i")
-    for _, _, value in ancdata:
-        fds.frombytes(value[:len(value) - len(value) % 4])
-    with socket.socket(fileno=fds[0]) as ctl:
+    with socket.socket(fileno=_descriptors(ancdata)[0]) as ctl:
         ctl.sendmsg([b"p"], [(socket.SOL_SOCKET, socket.SCM_CREDENTIALS, struct.pack("iII", pid, 0, 0))])
         ctl.settimeout(10)
         _, command_fds, _, _ = ctl.recvmsg(1024, socket.CMSG_SPACE(12))
-        for _, _, value in command_fds:
-            for fd in array.array("i", value[:len(value) - len(value) % 4]):
-                os.close(fd)
+        for fd in _descriptors(command_fds):
+            os.close(fd)
         ctl.send(b"x")
     data, ancdata, _, _ = sock.recvmsg(64, socket.CMSG_SPACE(4))  # the next command's preparation
     events["next_request"] = data
-    held = [fd for _, _, value in ancdata for fd in array.array("i", value[:len(value) - len(value) % 4])]
+    held = _descriptors(ancdata)
     time.sleep(START_TIMEOUT + 1)  # its control socket open, never answered
     sock.send(b"exit 1 7")
     events["reported"].set()
@@ -527,16 +528,11 @@ def _holder_placing(sock: socket.socket, pid: int, procs: Path, mode: str, event
     ``silent`` (no answer). ``procs`` stands for the group's thread list (``tasks``): a plain
     file, written where the child would have joined."""
     _, ancdata, _, _ = sock.recvmsg(64, socket.CMSG_SPACE(4))
-    fds = array.array("i")
-    for _, _, value in ancdata:
-        fds.frombytes(value[:len(value) - len(value) % 4])
-    with socket.socket(fileno=fds[0]) as ctl:
+    with socket.socket(fileno=_descriptors(ancdata)[0]) as ctl:
         ctl.sendmsg([b"p"], [(socket.SOL_SOCKET, socket.SCM_CREDENTIALS, struct.pack("iII", pid, 0, 0))])
         ctl.settimeout(5)
         data, ancdata, _, _ = ctl.recvmsg(16, socket.CMSG_SPACE(4))
-        placement = array.array("i")
-        for _, _, value in ancdata:
-            placement.frombytes(value[:len(value) - len(value) % 4])
+        placement = _descriptors(ancdata)
         events["placement"] = (data, len(placement))
         for fd in placement:
             os.close(fd)
