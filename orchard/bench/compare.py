@@ -9,7 +9,11 @@ sandboxes, then tear down. Targets:
 - ``orchard-server``: the SDK -> ``orchard serve`` (started here, on loopback) -> the same agent;
 - ``swerex-local``: SWE-ReX's ``LocalRuntime`` in process (``subprocess.run``, no isolation);
 - ``swerex-remote``: SWE-ReX's ``RemoteRuntime`` -> ``swerex-remote`` (started here, on
-  loopback; no isolation).
+  loopback; no isolation), ``execute(shell=True)``: ``/bin/sh -c CMD`` (dash on Debian);
+- ``swerex-remote-bash``: the same, running ``bash -c CMD``, the command line Orchard runs
+  (its contract is bash): the frameworks compared with the program held equal;
+- ``swerex-remote-session``: the same server, ``run_in_session`` on a persistent bash
+  (SWE-agent's way: no process per command, output read back through pexpect).
 
 Commands are sent in rounds (``--chunk`` commands of one target, then the next target), so
 a background load that comes and goes weighs on every target alike; ratios come from the
@@ -36,8 +40,10 @@ from orchard.bench.serve_process import ServeProcess, free_port
 
 TRUE_COMMAND = "true"
 PYTHON_COMMAND = "python3 -c 'print(sum(range(1000)))'"
-TARGETS = ("orchard", "orchard-server", "swerex-local", "swerex-remote")
-REFERENCE = "swerex-remote"
+TARGETS = ("orchard", "orchard-server", "swerex-local", "swerex-remote", "swerex-remote-bash", "swerex-remote-session")
+DEFAULT_TARGETS = TARGETS[:4]
+REFERENCE = "swerex-remote"  # the issue's peer; ratios to the others are reported beside it
+OTHER_REFERENCES = ("swerex-remote-bash", "swerex-remote-session")
 
 
 class Target:
@@ -91,8 +97,10 @@ class OrchardTarget(Target):
 
 
 class SwerexTarget(Target):
-    def __init__(self, name: str, remote: bool) -> None:
-        self.name, self.remote = name, remote
+    """``way``: "shell" (``sh -c``), "bash" (``bash -c``) or "session" (a persistent bash)."""
+
+    def __init__(self, name: str, remote: bool, way: str = "shell") -> None:
+        self.name, self.remote, self.way = name, remote, way
         self.runtime: Any = None
         self.server: Optional[subprocess.Popen] = None
         self.sessions: list[str] = []
@@ -117,18 +125,32 @@ class SwerexTarget(Target):
         self.sessions = [f"s{k}" for k in range(count)]
         await asyncio.gather(*(self.runtime.create_session(CreateBashSessionRequest(session=name))
                                for name in self.sessions))
+        if self.way == "session":
+            from swerex.runtime.abstract import BashAction
+
+            for name in self.sessions:
+                await self.runtime.run_in_session(BashAction(command=f"export PATH={self.env['PATH']}", session=name))
 
     def server_pid(self) -> Optional[int]:
         return self.server.pid if self.server is not None else None
 
-    async def run(self, index: int, command: str) -> None:
-        from swerex.runtime.abstract import Command
+    async def call(self, index: int, command: str) -> Any:
+        """SWE-ReX's answer to ``command`` run this target's way in session ``index``."""
+        from swerex.runtime.abstract import BashAction, Command
 
+        if self.way == "session":  # state persists; the session's PATH was exported at setup
+            return await self.runtime.run_in_session(
+                BashAction(command=command, session=self.sessions[index], check="silent", timeout=60))
         # the sandbox's PATH: `python3` is then the same binary on both sides (a PATH with a
         # pyenv shim first made SWE-ReX's Python command 110 ms instead of 15)
-        response = await self.runtime.execute(Command(command=command, shell=True, env=self.env))
+        argv: Any = ["bash", "-c", command] if self.way == "bash" else command
+        return await self.runtime.execute(Command(command=argv, shell=self.way == "shell", env=self.env))
+
+    async def run(self, index: int, command: str) -> None:
+        response = await self.call(index, command)
         if response.exit_code != 0:
-            raise RuntimeError(f"{self.name}: {command!r} exited {response.exit_code}: {response.stderr[-300:]}")
+            said = getattr(response, "stderr", None) or getattr(response, "output", "")  # a session has one stream
+            raise RuntimeError(f"{self.name}: {command!r} exited {response.exit_code}: {said[-300:]}")
 
     async def teardown(self) -> None:
         from swerex.runtime.abstract import CloseBashSessionRequest
@@ -170,8 +192,13 @@ async def run(targets: list[str], sandboxes: int, commands: int, python_commands
         elif name == "orchard-server":
             server = ServeProcess({"name": "local", "settings": {"agent": agent}}, work)
             chosen.append(OrchardTarget(name, server.url, server.api_key, agent, image))
-        elif name in ("swerex-local", "swerex-remote"):
-            chosen.append(SwerexTarget(name, remote=name == "swerex-remote"))
+        elif name == "swerex-local":
+            chosen.append(SwerexTarget(name, remote=False))
+        elif name.startswith("swerex-remote"):
+            way = {"swerex-remote": "shell", "swerex-remote-bash": "bash", "swerex-remote-session": "session"}.get(name)
+            if way is None:
+                raise ValueError(f"unknown target {name!r} (known: {', '.join(TARGETS)})")
+            chosen.append(SwerexTarget(name, remote=True, way=way))
         else:
             raise ValueError(f"unknown target {name!r} (known: {', '.join(TARGETS)})")
     results: dict[str, Any] = {}
@@ -219,12 +246,13 @@ async def run(targets: list[str], sandboxes: int, commands: int, python_commands
         entry["commands_per_s"] = round(len(plan) / busy[target.name], 1) if busy[target.name] else 0.0
         entry["cpu_ms_per_command"] = {"client": round(cpu[target.name][0] * 1000 / len(plan), 3),
                                        "server": round(cpu[target.name][1] * 1000 / len(plan), 3)}
-    reference = results.get(REFERENCE)
-    if reference is not None:
-        results["ratio_to_swerex_remote"] = {
-            t.name: {kind: round(results[t.name][kind]["p50_ms"] / reference[kind]["p50_ms"], 3)
-                     for kind in ("true", "python") if reference[kind]["p50_ms"]}
-            for t in chosen if t.name != REFERENCE}
+    for name in (REFERENCE, *OTHER_REFERENCES):
+        reference = results.get(name)
+        if reference is not None:
+            results[f"ratio_to_{name.replace('-', '_')}"] = {
+                t.name: {kind: round(results[t.name][kind]["p50_ms"] / reference[kind]["p50_ms"], 3)
+                         for kind in ("true", "python") if reference[kind]["p50_ms"]}
+                for t in chosen if t.name != name and (name == REFERENCE or t.name.startswith("orchard"))}
     results["load_average"] = {"before": [round(x, 2) for x in load_before], "after": [round(x, 2) for x in load_after]}
     results["cpu_probe_s"] = {"before": probe_before, "after": cpu_probe()}  # the machine's speed: see measure.cpu_probe
     results["spawner"] = spawner

@@ -243,9 +243,10 @@ def session(image: str, samples: int, command: str, output: Optional[Path], dire
 
 
 @bench.command("compare")
-@click.option("--targets", default=",".join(("orchard", "orchard-server", "swerex-local", "swerex-remote")),
-              show_default=True, help="comma-separated: orchard (SDK in process), orchard-server (through `orchard "
-                                      "serve`), swerex-local, swerex-remote")
+@click.option("--targets", default="orchard,orchard-server,swerex-local,swerex-remote", show_default=True,
+              help="comma-separated: orchard (SDK in process), orchard-server (through `orchard serve`), "
+                   "swerex-local, swerex-remote (sh -c), swerex-remote-bash (bash -c, as Orchard runs commands), "
+                   "swerex-remote-session (a persistent bash, SWE-agent's way)")
 @click.option("-n", "--sandboxes", type=int, default=1, show_default=True,
               help="sandboxes per target (SWE-ReX: bash sessions)")
 @click.option("-m", "--commands", type=int, default=300, show_default=True, help="`true` commands per target")
@@ -279,6 +280,10 @@ def compare(targets: str, sandboxes: int, commands: int, python_commands: int, c
                       f"{ratio.get('true', '-')} / {ratio.get('python', '-')}" if ratio else "-",
                       f"{entry['cpu_ms_per_command']['client']} / {entry['cpu_ms_per_command']['server']}")
     out.print(table)
+    for key, ratios in result.items():  # the ratios to the other SWE-ReX ways, where they ran
+        if key.startswith("ratio_to_") and key != "ratio_to_swerex_remote":
+            out.print(f"{key}: " + ", ".join(f"{name} {r.get('true', '-')} / {r.get('python', '-')}"
+                                             for name, r in ratios.items()))
     out.print(f"load average before/after: {result['load_average']}")
     if output:
         output.write_text(json.dumps(result, indent=2))

@@ -92,6 +92,14 @@ class RolloutEngine:
         self._prepared: dict[str, PreparedTask] = {}
         self._attempts: Counter = Counter()
 
+    def state_dict(self) -> dict[str, int]:
+        """Each task's next attempt number: a resumed run names its rollouts (and so keys a
+        seeded policy's draws) as the uninterrupted run would."""
+        return dict(self._attempts)
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self._attempts = Counter(state)
+
     async def __aenter__(self) -> "RolloutEngine":
         return self
 

@@ -241,7 +241,8 @@ class RLTrainer:
                     "scheduler": self.scheduler.state_dict(),
                     "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
                     "loader": self.loader.state_dict(), "band": self.band.state_dict() if self.band else None,
-                    "policy": self.engine.policy.state_dict()}, path / "state.pt")
+                    "policy": self.engine.policy.state_dict(), "attempts": self.engine.state_dict()},
+                   path / "state.pt")
         return path
 
     def resume(self, path: Path) -> None:
@@ -259,6 +260,8 @@ class RLTrainer:
             self.band.load_state_dict(state["band"])
         if state.get("policy") is not None:
             self.engine.policy.load_state_dict(state["policy"])
+        if state.get("attempts") is not None:  # checkpoints before keyed draws have none
+            self.engine.load_state_dict(state["attempts"])
 
     def plot(self) -> None:
         import matplotlib

@@ -120,6 +120,41 @@ def test_a_seeded_run_is_reproducible(tokenizer):
     assert tokens(7) != tokens(8)
 
 
+def test_a_keyed_rollout_samples_the_same_alone_or_batched_with_others_in_any_order(tokenizer):
+    """With a seed, a rollout's turns draw from a generator keyed by (seed, rollout, turn): what
+    it samples does not depend on which rollouts shared its batches or came first."""
+    model = tiny_model(tokenizer)
+    tasks = {name: [{"role": "user", "content": text}] for name, text in
+             (("a/0", "ls"), ("b/0", "fix the bug in parser.py and run the tests"), ("c/0", "git diff"))}
+
+    def sampled(names, seed=3):
+        policy = HuggingFacePolicy(model, tokenizer, seed=seed, batch_window=0.05)
+
+        async def one(name):
+            context = await policy.begin(tasks[name])
+            context.rollout = name
+            await policy.act(context, 10)
+            await policy.observe(context, "1 failed, 3 passed")
+            await policy.act(context, 10)
+            return name, context.tokens
+
+        async def main():
+            return dict(await asyncio.gather(*(one(name) for name in names)))
+        return run(main()), policy.batcher.batches
+
+    alone, batches_alone = sampled(["b/0"])
+    together, batches_together = sampled(["c/0", "b/0", "a/0"])
+    reversed_order, _ = sampled(["a/0", "b/0", "c/0"])
+    assert max(batches_alone) == 1 and max(batches_together) == 3  # it really shared its batches
+    assert together["b/0"] == alone["b/0"] == reversed_order["b/0"]
+    assert together == reversed_order
+    assert sampled(["b/0"], seed=4)[0]["b/0"] != alone["b/0"]  # the seed still decides
+    twin = {**tasks, "b/1": tasks["b/0"]}  # another attempt of the same task draws otherwise
+    tasks.update(twin)
+    attempts, _ = sampled(["b/0", "b/1"])
+    assert attempts["b/0"] == alone["b/0"] and attempts["b/1"] != attempts["b/0"]
+
+
 def test_observation_tokens_are_a_user_turn_and_the_generation_prompt(tokenizer):
     policy = HuggingFacePolicy(tiny_model(tokenizer), tokenizer, seed=0)
     context = run(policy.begin(TASK))

@@ -135,13 +135,15 @@ def test_a_resumed_run_continues_exactly_where_it_stopped(orchard_backend_settin
                     if resume is not None:
                         trainer.resume(resume)
                     await trainer.train(steps)
-                    return trainer.model.state_dict(), trainer.optimizer.state_dict()["state"]
+                    return trainer.model.state_dict(), engine.state_dict()
         return asyncio.run(main())
 
-    straight, _ = run(tmp_path / "straight", 2)
+    straight, straight_attempts = run(tmp_path / "straight", 2)
     run(tmp_path / "split", 1)
-    resumed, _ = run(tmp_path / "split", 1, resume=tmp_path / "split" / "checkpoint-1")
+    resumed, resumed_attempts = run(tmp_path / "split", 1, resume=tmp_path / "split" / "checkpoint-1")
     assert all(torch.equal(straight[k], resumed[k]) for k in straight)
+    # rollouts after the resume are named (and a seeded policy's draws keyed) as without it
+    assert resumed_attempts == straight_attempts and sum(straight_attempts.values()) > 0
     first = [json.loads(x) for x in (tmp_path / "straight" / "metrics.jsonl").read_text().splitlines()]
     second = [json.loads(x) for x in (tmp_path / "split" / "metrics.jsonl").read_text().splitlines()]
     keys = ("step", "samples", "reward", "success_rate", "rollouts", "loss")

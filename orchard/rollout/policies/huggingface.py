@@ -84,7 +84,9 @@ class HuggingFacePolicy(Policy):
         if budget <= 0:  # the context is full: an empty turn cut at its length
             context.messages.append({"role": "assistant", "content": ""})
             return Generation(text="", finish_reason="length")
-        sample = await self.batcher.submit(SampleRequest(list(context.tokens), budget))
+        # keyed by rollout and turn: a seeded run samples the same whatever ran beside it
+        key = f"{context.rollout}/{sum(m['role'] == 'assistant' for m in context.messages)}" if context.rollout else ""
+        sample = await self.batcher.submit(SampleRequest(list(context.tokens), budget, key))
         context.append(sample.token_ids, sample.logprobs, trained=True)
         context.append(self.template.close(sample.token_ids))
         body = sample.token_ids[:-1] if sample.finish_reason == "stop" else sample.token_ids

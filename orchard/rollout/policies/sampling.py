@@ -9,10 +9,16 @@ Log-probs are those of the *raw* model (log_softmax of the logits, before temper
 top-p), i.e. of the policy at temperature 1: what a GRPO trainer recomputes for its
 importance ratios. The sampler itself draws from the temperature-scaled, top-p-truncated
 distribution (temperature 0: greedy).
+
+A seeded sampler draws a *keyed* request (``SampleRequest.key``: its rollout and turn) from a
+generator of its own, seeded from (seed, key): what a rollout samples then does not depend on
+which requests shared its batch or in which order concurrent rollouts reached the model.
+Unkeyed requests share the sampler's one generator.
 """
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 import threading
 from contextlib import contextmanager
@@ -28,6 +34,7 @@ from orchard.rollout.policy import FinishReason
 class SampleRequest:
     tokens: list[int]  # the exact context, never empty
     max_tokens: int
+    key: str = ""  # names this draw (e.g. "TASK/ATTEMPT/TURN"): with a seed, its own generator
 
 
 @dataclass
@@ -50,6 +57,7 @@ class Sampler:
         self.temperature = temperature
         self.top_p = top_p
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
+        self.seed = seed
         self.generator = torch.Generator(device=self.device).manual_seed(seed) if seed is not None else None
         parameters = inspect.signature(model.forward).parameters
         self.cache_name = "cache" if "cache" in parameters else "past_key_values"  # transformers 5.x renamed it
@@ -76,6 +84,7 @@ class Sampler:
         logprobs: list[list[float]] = [[] for _ in requests]
         finish: list[FinishReason] = ["length"] * rows
         done = [r.max_tokens <= 0 for r in requests]
+        generators = [self._keyed(r.key) for r in requests]
         cache = None
         while not all(done):
             kwargs = {self.cache_name: cache, self.keep_last: 1} if self.keep_last else {self.cache_name: cache}
@@ -83,7 +92,7 @@ class Sampler:
             self.forward_calls += 1
             cache = getattr(output, self.cache_name)
             logits = output.logits[:, -1, :].float()
-            chosen = self._choose(logits)
+            chosen = self._choose(logits, generators)
             chosen_logprobs = torch.log_softmax(logits, dim=-1).gather(1, chosen[:, None]).squeeze(1)
             for row, (token, logprob) in enumerate(zip(chosen.tolist(), chosen_logprobs.tolist())):
                 if done[row]:
@@ -99,7 +108,14 @@ class Sampler:
             positions = positions[:, -1:] + 1
         return [Sample(s, lp, f) for s, lp, f in zip(sampled, logprobs, finish)]
 
-    def _choose(self, logits: torch.Tensor) -> torch.Tensor:
+    def _keyed(self, key: str) -> Optional[torch.Generator]:
+        """A keyed request's own generator (None: the shared one)."""
+        if not key or self.seed is None:
+            return None
+        digest = hashlib.blake2b(f"{self.seed}/{key}".encode(), digest_size=8).digest()
+        return torch.Generator(device=self.device).manual_seed(int.from_bytes(digest, "little") >> 1)
+
+    def _choose(self, logits: torch.Tensor, generators: list[Optional[torch.Generator]]) -> torch.Tensor:
         if self.temperature == 0:
             return logits.argmax(dim=-1)
         probs = torch.softmax(logits / self.temperature, dim=-1)
@@ -107,7 +123,12 @@ class Sampler:
             sorted_probs, order = probs.sort(dim=-1, descending=True)
             outside = sorted_probs.cumsum(dim=-1) - sorted_probs > self.top_p  # mass before it already covers top_p
             probs = torch.zeros_like(probs).scatter(1, order, sorted_probs.masked_fill(outside, 0.0))
-        return torch.multinomial(probs, 1, generator=self.generator).squeeze(1)
+        if all(g is None for g in generators):
+            return torch.multinomial(probs, 1, generator=self.generator).squeeze(1)
+        # each keyed row from its own generator; a finished row still draws (and is ignored),
+        # so a row's n-th token always takes its generator's n-th draw
+        return torch.cat([torch.multinomial(row, 1, generator=g if g is not None else self.generator)
+                          for row, g in zip(probs, generators)])
 
 
 @contextmanager
