@@ -33,6 +33,7 @@ import array
 import asyncio
 import logging
 import os
+import select
 import signal
 import socket
 import struct
@@ -76,6 +77,10 @@ class Spawned:
             return True
         except OSError:
             return False
+
+    def ended(self) -> bool:
+        """Whether it has exited (its pidfd reads ready then; a zombie still takes signals)."""
+        return self.pidfd < 0 or bool(select.select([self.pidfd], [], [], 0)[0])
 
     def kill(self) -> None:
         """SIGKILL the command itself, and its process group while the command still lives
@@ -287,6 +292,8 @@ class SpawnerClient:
             if answer != b"g":
                 raise SpawnerUnavailable("the prepared process could not join its job's cgroup")
             if spawned.pid not in members(job_cgroup, "tasks"):  # its own thread, not just any of its threads
+                if spawned.ended():  # the sandbox may kill it, also between its answer and our look
+                    raise SpawnerUnavailable("the prepared process died as it joined its job's cgroup")
                 self._unhealthy(f"process {spawned.pid} said it joined {job_cgroup.name} and did not")
                 raise SpawnerUnavailable("the prepared process is not in its job's cgroup")
             answered = True

@@ -632,3 +632,69 @@ def test_a_placement_cut_short_kills_the_child_before_its_group_is_released(tmp_
     assert result["outcome"] == "cancelled" or isinstance(result["outcome"], SpawnerUnavailable)
     assert waiting.wait(5) == -signal.SIGKILL
     assert result["next_group"] not in (None, tmp_path / "job-0")
+
+
+STORM = r"""
+import os, signal, time
+me, kills, last_pid = os.getpid(), 0, os.open("/proc/sys/kernel/ns_last_pid", os.O_RDONLY)
+
+def prepared(pid):
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as handle:
+            return b"--hold" in handle.read()  # the holder's fork, before it becomes a command
+    except OSError:
+        return False
+
+deadline = time.time() + 4
+while time.time() < deadline:
+    newest = int(os.pread(last_pid, 32, 0))
+    for pid in (newest, newest + 1):
+        if pid not in (1, me) and prepared(pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+                kills += 1
+            except OSError:
+                pass
+open("/tmp/storm.out", "w").write(f"{kills}\nend\n")
+"""
+
+
+def _job_groups(handle) -> dict[str, int]:
+    """The sandbox's job groups (pids controller, seen from the host) and how many tasks each holds."""
+    line = next(x for x in Path(f"/proc/{holder_pid(handle)}/cgroup").read_text().splitlines() if ":pids:" in x)
+    sandbox_group = Path("/sys/fs/cgroup/pids") / line.split(":", 2)[2].lstrip("/")
+    return {d.name: len((d / "tasks").read_text().split()) for d in sandbox_group.glob("job-*")}
+
+
+def test_a_sandbox_killing_every_process_prepared_for_it_gets_right_answers_or_its_own_kills(spawner_client):
+    """The sandbox kills each fork of its holder the moment it appears (so some die before their
+    hello, some mid-placement, some waiting, some after taking their command): every command
+    either runs as asked or ends by that SIGKILL (137), never with a wrong answer or an agent
+    error; a bystander sandbox is untouched; afterwards nothing lingers in any job group, the
+    groups retired on the way are gone, and the sandbox still has its spawner (a child killed
+    between joining its group and our look at the group once read as a lying one)."""
+    sandbox, bystander = spawner_client.create("host"), spawner_client.create("host")
+    try:
+        sandbox.upload("/tmp/storm.py", STORM)
+        assert sandbox.exec("python3 /tmp/storm.py >/dev/null 2>&1 &").exit_code == 0
+        outcomes: dict[int, int] = {}
+        deadline = time.monotonic() + 4.5
+        while time.monotonic() < deadline:
+            job = sandbox.exec("echo $((6 * 7))")
+            assert job.error_type is None, job
+            assert (job.exit_code, job.stdout) in ((0, "42\n"), (137, "")), job
+            outcomes[job.exit_code] = outcomes.get(job.exit_code, 0) + 1
+            assert bystander.exec("echo fine").stdout == "fine\n"
+        while "end" not in (report := sandbox.exec("cat /tmp/storm.out 2>/dev/null").stdout):
+            time.sleep(0.2)
+        assert int(report.split()[0]) > 0, report  # the storm did kill prepared processes
+        assert outcomes.get(0, 0) > 0, outcomes
+        assert sandbox.exec("echo ok").stdout == "ok\n"
+        time.sleep(0.5)  # the last command's end, and the next process's preparation, settle
+        groups = _job_groups(sandbox)
+        assert sum(groups.values()) <= 1, groups  # at most the process waiting for the next command
+        assert len(groups) <= 6, groups  # groups retired on the way were removed, not piled up (35 before)
+        assert ppid(sandbox) == "1"  # its own kills did not cost it the spawner
+    finally:
+        sandbox.delete()
+        bystander.delete()
