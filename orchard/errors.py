@@ -161,6 +161,15 @@ class StoreUnavailable(OrchardError):
     retryable = True
 
 
+class StoreRecordDamaged(OrchardError):
+    """A record in the server's state store cannot be read (changed outside the server, or
+    damaged on disk). Calls on that record fail with this; listings and the reconciler skip
+    it (logged), so one damaged record stops nothing else; DELETE still deletes its sandbox."""
+
+    status_code = 500
+    error_type = "internal"
+
+
 class InternalError(OrchardError):
     """A bug: please report it with the agent's log."""
 
@@ -175,7 +184,7 @@ ERRORS_BY_NAME: dict[str, type[OrchardError]] = {
         SandboxConflict, SandboxLost, SandboxNotReady, ImageRejected, QuotaExceeded,
         RuntimeUnavailable, BackendUnavailable, AgentUnreachable, FileOperationFailed,
         PayloadTooLarge, WaitTimeout, ExecTimeout, InternalError, SnapshotNotFound, Unsupported,
-        StoreUnavailable,
+        StoreUnavailable, StoreRecordDamaged,
     ]
 }
 

@@ -40,7 +40,7 @@ from psycopg.conninfo import conninfo_to_dict
 
 from orchard.errors import StoreUnavailable
 from orchard.models import Job
-from orchard.server.store import SandboxRecord, SQLiteStore, Store
+from orchard.server.store import SandboxRecord, Store, job_record, readable, sandbox_record
 
 log = logging.getLogger("orchard.server.postgres")
 
@@ -199,13 +199,13 @@ class PostgresStore(Store):
                    record.last_seen))
 
     def get_sandbox(self, sandbox_id: str) -> Optional[SandboxRecord]:
-        row = self._run("SELECT spec, sandbox, last_seen FROM sandboxes WHERE sandbox_id = %s",
+        row = self._run("SELECT sandbox_id, spec, sandbox, last_seen FROM sandboxes WHERE sandbox_id = %s",
                         (sandbox_id,)).fetchone()
-        return SQLiteStore._record(row) if row else None
+        return sandbox_record(row) if row else None
 
     def list_sandboxes(self) -> list[SandboxRecord]:
-        rows = self._run("SELECT spec, sandbox, last_seen FROM sandboxes ORDER BY created").fetchall()
-        return [SQLiteStore._record(row) for row in rows]
+        rows = self._run("SELECT sandbox_id, spec, sandbox, last_seen FROM sandboxes ORDER BY created").fetchall()
+        return readable(rows, sandbox_record)
 
     def touch_many(self, last_seen: dict[str, float]) -> None:
         if last_seen:  # later calls win: a replica never moves a sandbox's last call back in time
@@ -230,12 +230,12 @@ class PostgresStore(Store):
                       fields.get("completed_at"), job_json.decode())
 
     def get_job(self, job_id: str) -> Optional[Job]:
-        row = self._run("SELECT job FROM jobs WHERE job_id = %s", (job_id,)).fetchone()
-        return Job.model_validate_json(row[0]) if row else None
+        row = self._run("SELECT job_id, job FROM jobs WHERE job_id = %s", (job_id,)).fetchone()
+        return job_record(row) if row else None
 
     def unfinished_jobs(self, sandbox_id: str) -> list[Job]:
-        rows = self._run("SELECT job FROM jobs WHERE sandbox_id = %s AND NOT done", (sandbox_id,)).fetchall()
-        return [Job.model_validate_json(row[0]) for row in rows]
+        rows = self._run("SELECT job_id, job FROM jobs WHERE sandbox_id = %s AND NOT done", (sandbox_id,)).fetchall()
+        return readable(rows, job_record)
 
     def purge_jobs(self, finished_before: float) -> int:
         return self._run("DELETE FROM jobs WHERE done AND completed_at < %s", (finished_before,)).rowcount

@@ -21,7 +21,7 @@ from orchard.backends.api import Backend
 from orchard.client.http import MAX_JSON_ANSWER, ApiClient
 from orchard.errors import (
     AgentUnreachable, JobNotFound, OrchardError, SandboxConflict, SandboxLost, SandboxNotFound, SandboxNotReady,
-    WaitTimeout,
+    StoreRecordDamaged, WaitTimeout,
 )
 from orchard.models import (
     JOB_ID_RULE, ExecRequest, FileUpload, Job, PatchRequest, QueuedJob, Sandbox, SandboxSpec, Snapshot, SnapshotRequest,
@@ -240,8 +240,11 @@ class ServerService:
         return found
 
     async def delete(self, sandbox_id: str, reason: str = "deleted") -> None:
-        record = self.record(sandbox_id)
-        if record.sandbox.status != "lost":
+        try:
+            record: Optional[SandboxRecord] = self.record(sandbox_id)
+        except StoreRecordDamaged:  # its sandbox may still run: delete what the id names, and the record
+            record = None
+        if record is None or record.sandbox.status != "lost":
             try:
                 await self.backend.delete(sandbox_id)
             except SandboxNotFound:

@@ -14,11 +14,11 @@ import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional, TypeVar
 
 from pydantic import ValidationError
 
-from orchard.errors import StoreUnavailable
+from orchard.errors import StoreRecordDamaged, StoreUnavailable
 from orchard.models import Job, Sandbox, SandboxSpec
 
 log = logging.getLogger(__name__)
@@ -32,6 +32,47 @@ class SandboxRecord:
     spec: SandboxSpec
     sandbox: Sandbox
     last_seen: float  # the last call on it: heartbeats and every other call count
+
+
+T = TypeVar("T")
+_reported: set[str] = set()  # damaged records already logged (listings run every reconciler round)
+
+
+def sandbox_record(row: Iterable) -> SandboxRecord:
+    """A ``(sandbox_id, spec, sandbox, last_seen)`` row as a record, or StoreRecordDamaged."""
+    sandbox_id, spec, sandbox, last_seen = row
+    try:
+        try:
+            parsed = SandboxSpec.model_validate_json(spec)
+        except ValidationError:  # stored under older, looser rules: keep it readable and deletable
+            parsed = SandboxSpec.model_construct(**json.loads(spec))
+        return SandboxRecord(parsed, Sandbox.model_validate_json(sandbox), float(last_seen))
+    except (ValueError, TypeError) as exc:  # ValidationError and JSON errors are ValueErrors
+        raise StoreRecordDamaged(f"the server's record of sandbox {sandbox_id!r} is damaged: "
+                                 f"{type(exc).__name__}") from None
+
+
+def job_record(row: Iterable) -> Job:
+    """A ``(job_id, job)`` row as a job, or StoreRecordDamaged."""
+    job_id, text = row
+    try:
+        return Job.model_validate_json(text)
+    except ValueError as exc:
+        raise StoreRecordDamaged(f"the server's record of job {job_id!r} is damaged: {type(exc).__name__}") from None
+
+
+def readable(rows: Iterable, decode: Callable[[Iterable], T]) -> list[T]:
+    """Every row that can be read; a damaged one is skipped (and logged once), so it cannot
+    take a listing, or the reconciler's rounds, down with it."""
+    found = []
+    for row in rows:
+        try:
+            found.append(decode(row))
+        except StoreRecordDamaged as exc:
+            if exc.message not in _reported:
+                _reported.add(exc.message)
+                log.error("%s; skipped in listings", exc.message)
+    return found
 
 
 class Store(ABC):
@@ -210,13 +251,13 @@ class SQLiteStore(Store):
         return SandboxRecord(parsed, Sandbox.model_validate_json(sandbox), last_seen)
 
     def get_sandbox(self, sandbox_id: str) -> Optional[SandboxRecord]:
-        row = self.db.execute("SELECT spec, sandbox, last_seen FROM sandboxes WHERE sandbox_id=?",
+        row = self.db.execute("SELECT sandbox_id, spec, sandbox, last_seen FROM sandboxes WHERE sandbox_id=?",
                               (sandbox_id,)).fetchone()
-        return self._record(row) if row else None
+        return sandbox_record(row) if row else None
 
     def list_sandboxes(self) -> list[SandboxRecord]:
-        rows = self.db.execute("SELECT spec, sandbox, last_seen FROM sandboxes ORDER BY rowid").fetchall()
-        return [self._record(row) for row in rows]
+        rows = self.db.execute("SELECT sandbox_id, spec, sandbox, last_seen FROM sandboxes ORDER BY rowid").fetchall()
+        return readable(rows, sandbox_record)
 
     def touch_many(self, last_seen: dict[str, float]) -> None:
         if last_seen:
@@ -237,12 +278,12 @@ class SQLiteStore(Store):
                         (fields["job_id"], sandbox_id, int(done), fields.get("completed_at"), job_json.decode()))
 
     def get_job(self, job_id: str) -> Optional[Job]:
-        row = self.db.execute("SELECT job FROM jobs WHERE job_id=?", (job_id,)).fetchone()
-        return Job.model_validate_json(row[0]) if row else None
+        row = self.db.execute("SELECT job_id, job FROM jobs WHERE job_id=?", (job_id,)).fetchone()
+        return job_record(row) if row else None
 
     def unfinished_jobs(self, sandbox_id: str) -> list[Job]:
-        rows = self.db.execute("SELECT job FROM jobs WHERE sandbox_id=? AND done=0", (sandbox_id,)).fetchall()
-        return [Job.model_validate_json(row[0]) for row in rows]
+        rows = self.db.execute("SELECT job_id, job FROM jobs WHERE sandbox_id=? AND done=0", (sandbox_id,)).fetchall()
+        return readable(rows, job_record)
 
     def purge_jobs(self, finished_before: float) -> int:
         return self.db.execute("DELETE FROM jobs WHERE done=1 AND completed_at < ?", (finished_before,)).rowcount

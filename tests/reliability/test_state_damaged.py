@@ -1,0 +1,58 @@
+"""A record in the server's SQLite state is damaged behind its back (a sandbox's and a job's
+JSON overwritten, as bit rot or a hand edit would): calls on those records get a typed 500
+naming them; listings, the reconciler and every other sandbox go on; DELETE still deletes the
+damaged sandbox; the damage is logged once, not every reconciler round."""
+
+from __future__ import annotations
+
+import sqlite3
+import time
+
+from tests.server.conftest import ServerProcess
+
+
+def damage(server: ServerProcess, sandbox_id: str, job_id: str) -> None:
+    db = sqlite3.connect(str(server.root / "server.db"), timeout=10)
+    try:
+        db.execute("UPDATE sandboxes SET sandbox = '{\"sandbox_id\": ' WHERE sandbox_id = ?", (sandbox_id,))
+        db.execute("UPDATE jobs SET job = 'not json at all' WHERE job_id = ?", (job_id,))
+        db.commit()
+    finally:
+        db.close()
+
+
+def test_a_damaged_record_fails_its_own_calls_only(server_factory):
+    server = server_factory(reconciler={"interval": 0.2, "lost_grace": 0})
+    with server.http() as http:
+        kept, damaged = (http.post("/sandboxes", json={}).json()["sandbox_id"] for _ in range(2))
+        for sid, job_id in ((kept, "job-kept"), (damaged, "job-damaged")):
+            answer = http.post(f"/sandboxes/{sid}/exec", json={"command": "echo hi", "wait": True, "job_id": job_id})
+            assert answer.json()["stdout"] == "hi\n", answer.text
+        damage(server, damaged, "job-damaged")
+
+        for path, name in ((f"/sandboxes/{damaged}", damaged), ("/jobs/job-damaged", "job-damaged")):
+            answer = http.get(path)
+            assert answer.status_code == 500, answer.text
+            error = answer.json()["error"]
+            assert error["type"] == "StoreRecordDamaged" and name in error["message"], error
+        listed = [s["sandbox_id"] for s in http.get("/sandboxes").json()["sandboxes"]]
+        assert listed == [kept]
+        time.sleep(1.5)  # reconciler rounds over the damaged record
+        assert http.get(f"/sandboxes/{kept}").json()["status"] == "ready"  # not marked lost meanwhile
+        again = http.post(f"/sandboxes/{kept}/exec", json={"command": "echo still", "wait": True})
+        assert again.json()["stdout"] == "still\n"
+        assert http.get("/jobs/job-kept").json()["stdout"] == "hi\n"
+        assert http.delete(f"/sandboxes/{damaged}").status_code in (200, 204)
+        assert http.get(f"/sandboxes/{damaged}").status_code == 404
+        assert damaged not in [s.sandbox_id for s in _backend_sandboxes(server)]
+    assert server.process.poll() is None
+    log = server.log_path.read_text()
+    assert log.count(f"record of sandbox {damaged!r} is damaged") == 1, log[-3000:]  # once, not per round
+
+
+def _backend_sandboxes(server: ServerProcess) -> list:
+    """What the backend itself still runs (the local agent behind the server)."""
+    from orchard.client import Client
+
+    with Client(backend="local", backend_settings={"agent": {"state_dir": str(server.agent_state)}}) as client:
+        return client.list()
