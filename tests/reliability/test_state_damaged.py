@@ -1,7 +1,7 @@
 """A record in the server's SQLite state is damaged behind its back (a sandbox's and a job's
 JSON overwritten, as bit rot or a hand edit would): calls on those records get a typed 500
 naming them; listings, the reconciler and every other sandbox go on; DELETE still deletes the
-damaged sandbox; the damage is logged once, not every reconciler round."""
+damaged sandbox's record (its sandbox was reaped as an orphan); the damage is logged once, not every reconciler round."""
 
 from __future__ import annotations
 
@@ -42,9 +42,10 @@ def test_a_damaged_record_fails_its_own_calls_only(server_factory):
         again = http.post(f"/sandboxes/{kept}/exec", json={"command": "echo still", "wait": True})
         assert again.json()["stdout"] == "still\n"
         assert http.get("/jobs/job-kept").json()["stdout"] == "hi\n"
+        running = [s.sandbox_id for s in _backend_sandboxes(server)]
+        assert kept in running and damaged not in running  # reaped as an orphan: no readable record
         assert http.delete(f"/sandboxes/{damaged}").status_code in (200, 204)
-        assert http.get(f"/sandboxes/{damaged}").status_code == 404
-        assert damaged not in [s.sandbox_id for s in _backend_sandboxes(server)]
+        assert http.get(f"/sandboxes/{damaged}").status_code == 404  # and its record is gone
     assert server.process.poll() is None
     log = server.log_path.read_text()
     assert log.count(f"record of sandbox {damaged!r} is damaged") == 1, log[-3000:]  # once, not per round
