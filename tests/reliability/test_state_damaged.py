@@ -57,3 +57,19 @@ def _backend_sandboxes(server: ServerProcess) -> list:
 
     with Client(backend="local", backend_settings={"agent": {"state_dir": str(server.agent_state)}}) as client:
         return client.list()
+
+
+def test_a_state_file_that_is_not_a_database_stops_the_server_with_a_clear_error_and_is_left_alone(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    state = tmp_path / "server.db"
+    garbage = os.urandom(8192)
+    state.write_bytes(garbage)
+    done = subprocess.run([sys.executable, "-m", "orchard.cli", "serve", "--port", "0", "--api-key", "k",
+                           "--state", str(state)], capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0
+    said = " ".join((done.stderr + done.stdout).split())  # the console wraps long lines
+    assert "StoreUnavailable" in said and "not a database" in said, said
+    assert state.read_bytes() == garbage
