@@ -6,6 +6,8 @@ sandbox runs without limits and says so in its status message.
 
 from __future__ import annotations
 
+import errno
+import logging
 import os
 import signal
 import time
@@ -14,6 +16,8 @@ from pathlib import Path
 from typing import Optional
 
 from orchard.agent.cgroup_owners import CgroupOwnership
+
+log = logging.getLogger(__name__)
 
 V1_ROOT = Path("/sys/fs/cgroup")
 CFS_PERIOD_US = 100_000
@@ -86,7 +90,7 @@ class SandboxCgroup:
             self.job_count += 1
             try:
                 path.mkdir()
-            except FileExistsError:  # a retired group's name
+            except FileExistsError:  # a group of that name we did not make: skip the name
                 continue
             except OSError:
                 return None
@@ -110,7 +114,9 @@ class SandboxCgroup:
                 path.rmdir()
             except FileNotFoundError:
                 pass
-            except OSError:  # a process is (still) in it: tried again with the next group handed out
+            except OSError as exc:  # a process is (still) in it: tried again with the next group handed out
+                if exc.errno != errno.EBUSY:
+                    log.warning("could not remove the retired job group %s: %s", path, exc)
                 continue
             self.retired.discard(path)
 

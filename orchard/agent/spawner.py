@@ -52,6 +52,7 @@ SPAWNER_FD = 5  # the holder's end, as the holder sees it (``--spawner 5``)
 PAYLOAD_MAX = 60 * 1024  # enter_spawner.c's SPAWN_PAYLOAD_MAX: longer requests go the old way
 START_TIMEOUT = 2.0  # seconds for the holder to fork and the child to say who it is, or to take its command
 REPORT_GRACE = 2.0  # seconds between the command's end (pidfd) and the holder's report
+DEATH_GRACE = 0.1  # seconds for a child missing from its group to show it died (not lied)
 _UCRED = struct.Struct("iII")
 
 
@@ -79,8 +80,13 @@ class Spawned:
             return False
 
     def ended(self) -> bool:
-        """Whether it has exited (its pidfd reads ready then; a zombie still takes signals)."""
-        return self.pidfd < 0 or bool(select.select([self.pidfd], [], [], 0)[0])
+        """Whether it has exited (its pidfd reads ready then; a zombie still takes signals).
+        poll, not select: an agent with many sandboxes has descriptors past select's 1024."""
+        if self.pidfd < 0:
+            return True
+        poller = select.poll()
+        poller.register(self.pidfd, select.POLLIN)
+        return bool(poller.poll(0))
 
     def kill(self) -> None:
         """SIGKILL the command itself, and its process group while the command still lives
@@ -292,7 +298,7 @@ class SpawnerClient:
             if answer != b"g":
                 raise SpawnerUnavailable("the prepared process could not join its job's cgroup")
             if spawned.pid not in members(job_cgroup, "tasks"):  # its own thread, not just any of its threads
-                if spawned.ended():  # the sandbox may kill it, also between its answer and our look
+                if await self._ends_within(spawned, DEATH_GRACE):  # the sandbox may kill it (same uid)
                     raise SpawnerUnavailable("the prepared process died as it joined its job's cgroup")
                 self._unhealthy(f"process {spawned.pid} said it joined {job_cgroup.name} and did not")
                 raise SpawnerUnavailable("the prepared process is not in its job's cgroup")
@@ -300,6 +306,20 @@ class SpawnerClient:
         finally:
             if not answered:  # its descriptor went to a process that did not use it as asked
                 self._retire_group(job_cgroup)
+
+    async def _ends_within(self, spawned: Spawned, seconds: float) -> bool:
+        """Whether the process ends within ``seconds``: the kernel drops an exiting thread from
+        its group's ``tasks`` a moment before its pidfd reads ready, so a child killed right
+        after its answer may be missing from the group and not yet ended; a liar still lives."""
+        if spawned.ended():
+            return True
+        ended = self._loop.create_future()
+        self._loop.add_reader(spawned.pidfd, lambda: ended.done() or ended.set_result(None))
+        try:
+            await asyncio.wait([ended], timeout=seconds)
+        finally:
+            self._loop.remove_reader(spawned.pidfd)
+        return ended.done()
 
     def _retire_group(self, job_cgroup: Path) -> None:
         """The group's ``tasks`` descriptor went to a process that did not say it used it and

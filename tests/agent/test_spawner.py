@@ -525,8 +525,10 @@ def _holder_placing(sock: socket.socket, pid: int, procs: Path, mode: str, event
     """Answer one request as the holder's child would, for ``pid`` (a real process of this PID
     namespace): say hello, then take the placement ("g" and the group's ``tasks`` file) and
     answer it as ``mode`` says: ``joins`` (after ``delay``), ``lies`` ("g" without joining),
-    ``silent`` (no answer). ``procs`` stands for the group's thread list (``tasks``): a plain
-    file, written where the child would have joined."""
+    ``silent`` (no answer), ``killed`` (the sandbox kills it, then its "g" arrives),
+    ``killed-after`` ("g", then the kill 20 ms later: missing from the group before it ended).
+    ``procs`` stands for the group's thread list (``tasks``): a plain file, written where the
+    child would have joined."""
     _, ancdata, _, _ = sock.recvmsg(64, socket.CMSG_SPACE(4))
     with socket.socket(fileno=_descriptors(ancdata)[0]) as ctl:
         ctl.sendmsg([b"p"], [(socket.SOL_SOCKET, socket.SCM_CREDENTIALS, struct.pack("iII", pid, 0, 0))])
@@ -541,8 +543,14 @@ def _holder_placing(sock: socket.socket, pid: int, procs: Path, mode: str, event
         if mode == "joins":
             procs.write_text(f"{pid}\n")
             procs.with_name("cgroup.procs").write_text(f"{pid}\n")
-        if mode in ("joins", "lies"):
+        if mode == "killed":
+            os.kill(pid, signal.SIGKILL)
+            time.sleep(0.05)
+        if mode in ("joins", "lies", "killed", "killed-after"):
             ctl.send(b"g")
+        if mode == "killed-after":
+            time.sleep(0.02)
+            os.kill(pid, signal.SIGKILL)
         events["done"].wait(10)
 
 
@@ -625,6 +633,47 @@ def test_a_placement_is_read_back_from_the_group_not_believed(tmp_path, mode):
     assert result["next_group"] not in (None, tmp_path / "job-0")  # a new group: job-0 is retired
 
 
+@pytest.mark.parametrize("mode", ["killed", "killed-after"])
+def test_a_child_the_sandbox_killed_during_its_placement_is_replaced_not_called_a_liar(tmp_path, mode):
+    """Killed before its "g" arrives, or just after (missing from its group before its pidfd
+    reads ended): the preparation fails, its group is retired, and the spawner stays in use."""
+    result, waiting = _prepare_against(tmp_path, mode)
+    assert isinstance(result["outcome"], SpawnerUnavailable), result["outcome"]
+    assert "died" in str(result["outcome"])
+    assert result["usable"]
+    assert waiting.wait(5) == -signal.SIGKILL
+    assert result["next_group"] not in (None, tmp_path / "job-0")
+
+
+def test_a_spawned_process_reads_ended_whatever_its_descriptor_number():
+    """An agent holding many sandboxes has descriptors past 1024 (select's limit)."""
+    import resource
+    import subprocess
+
+    from orchard.agent.spawner import Spawned
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, 4096), hard))
+    child = subprocess.Popen(["sleep", "30"])
+    pidfd = os.pidfd_open(child.pid)
+    high = os.dup2(pidfd, 1500)
+    loop = asyncio.new_event_loop()
+    try:
+        spawned = Spawned(child.pid, high, loop.create_future(), loop)
+        assert not spawned.ended()
+        child.kill()
+        deadline = time.monotonic() + 5
+        while not spawned.ended() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert spawned.ended()
+    finally:
+        os.close(high)
+        os.close(pidfd)
+        loop.close()
+        child.wait()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
 def test_a_placement_cut_short_kills_the_child_before_its_group_is_released(tmp_path):
     """The holder goes away while the child is being placed: the preparation ends, the child
     is killed before its group is released, and that group (its descriptor went out) is retired."""
@@ -685,7 +734,9 @@ def test_a_sandbox_killing_every_process_prepared_for_it_gets_right_answers_or_i
             assert (job.exit_code, job.stdout) in ((0, "42\n"), (137, "")), job
             outcomes[job.exit_code] = outcomes.get(job.exit_code, 0) + 1
             assert bystander.exec("echo fine").stdout == "fine\n"
+        deadline = time.monotonic() + 30
         while "end" not in (report := sandbox.exec("cat /tmp/storm.out 2>/dev/null").stdout):
+            assert time.monotonic() < deadline, "the storm never reported"
             time.sleep(0.2)
         assert int(report.split()[0]) > 0, report  # the storm did kill prepared processes
         assert outcomes.get(0, 0) > 0, outcomes
