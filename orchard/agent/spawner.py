@@ -311,15 +311,7 @@ class SpawnerClient:
         """Whether the process ends within ``seconds``: the kernel drops an exiting thread from
         its group's ``tasks`` a moment before its pidfd reads ready, so a child killed right
         after its answer may be missing from the group and not yet ended; a liar still lives."""
-        if spawned.ended():
-            return True
-        ended = self._loop.create_future()
-        self._loop.add_reader(spawned.pidfd, lambda: ended.done() or ended.set_result(None))
-        try:
-            await asyncio.wait([ended], timeout=seconds)
-        finally:
-            self._loop.remove_reader(spawned.pidfd)
-        return ended.done()
+        return spawned.ended() or await self._ready(spawned.pidfd, seconds)
 
     def _retire_group(self, job_cgroup: Path) -> None:
         """The group's ``tasks`` descriptor went to a process that did not say it used it and
@@ -329,12 +321,16 @@ class SpawnerClient:
 
     async def _readable(self, sock: socket.socket, exited: "asyncio.Future[int]") -> bool:
         """Wait until ``sock`` is readable (True), or the process ended or START_TIMEOUT passed."""
+        return await self._ready(sock.fileno(), START_TIMEOUT, exited)
+
+    async def _ready(self, fd: int, timeout: float, *also: "asyncio.Future[int]") -> bool:
+        """Wait until ``fd`` reads ready (True), or one of ``also`` is done or ``timeout`` passed."""
         readable = self._loop.create_future()
-        self._loop.add_reader(sock.fileno(), lambda: readable.done() or readable.set_result(None))
+        self._loop.add_reader(fd, lambda: readable.done() or readable.set_result(None))
         try:
-            await asyncio.wait([readable, exited], timeout=START_TIMEOUT, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait([readable, *also], timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            self._loop.remove_reader(sock.fileno())
+            self._loop.remove_reader(fd)
         return readable.done()
 
     async def _take(self) -> _Prepared:

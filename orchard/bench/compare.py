@@ -40,10 +40,9 @@ from orchard.bench.serve_process import ServeProcess, free_port
 
 TRUE_COMMAND = "true"
 PYTHON_COMMAND = "python3 -c 'print(sum(range(1000)))'"
-TARGETS = ("orchard", "orchard-server", "swerex-local", "swerex-remote", "swerex-remote-bash", "swerex-remote-session")
-DEFAULT_TARGETS = TARGETS[:4]
-REFERENCE = "swerex-remote"  # the peer; ratios to the others are reported beside it
-OTHER_REFERENCES = ("swerex-remote-bash", "swerex-remote-session")
+SWEREX_REMOTE_WAYS = {"swerex-remote": "shell", "swerex-remote-bash": "bash", "swerex-remote-session": "session"}
+TARGETS = ("orchard", "orchard-server", "swerex-local", *SWEREX_REMOTE_WAYS)
+REFERENCE = "swerex-remote"  # the peer; ratios to the other remote ways are reported beside it
 
 
 class Target:
@@ -194,11 +193,8 @@ async def run(targets: list[str], sandboxes: int, commands: int, python_commands
             chosen.append(OrchardTarget(name, server.url, server.api_key, agent, image))
         elif name == "swerex-local":
             chosen.append(SwerexTarget(name, remote=False))
-        elif name.startswith("swerex-remote"):
-            way = {"swerex-remote": "shell", "swerex-remote-bash": "bash", "swerex-remote-session": "session"}.get(name)
-            if way is None:
-                raise ValueError(f"unknown target {name!r} (known: {', '.join(TARGETS)})")
-            chosen.append(SwerexTarget(name, remote=True, way=way))
+        elif name in SWEREX_REMOTE_WAYS:
+            chosen.append(SwerexTarget(name, remote=True, way=SWEREX_REMOTE_WAYS[name]))
         else:
             raise ValueError(f"unknown target {name!r} (known: {', '.join(TARGETS)})")
     results: dict[str, Any] = {}
@@ -246,7 +242,7 @@ async def run(targets: list[str], sandboxes: int, commands: int, python_commands
         entry["commands_per_s"] = round(len(plan) / busy[target.name], 1) if busy[target.name] else 0.0
         entry["cpu_ms_per_command"] = {"client": round(cpu[target.name][0] * 1000 / len(plan), 3),
                                        "server": round(cpu[target.name][1] * 1000 / len(plan), 3)}
-    for name in (REFERENCE, *OTHER_REFERENCES):
+    for name in SWEREX_REMOTE_WAYS:
         reference = results.get(name)
         if reference is not None:
             results[f"ratio_to_{name.replace('-', '_')}"] = {
