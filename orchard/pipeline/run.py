@@ -41,6 +41,9 @@ class PipelineConfig:
     image: Optional[str] = field(default=None, metadata={"help": "image with python3 and git (default: built here)"})
     tasks: int = field(default=400, metadata={"help": "generated tasks (train + held-out)"})
     heldout_fraction: float = field(default=0.25, metadata={"help": "share of held-out variants"})
+    split_seed: Optional[int] = field(default=None, metadata={
+        "help": "hold out the variants this seed picks, whatever `seed` is (default: `seed`'s own): a study over "
+                "seeds then judges every seed on the same code shapes, and its spread is training's alone"})
     candidates: int = field(default=6, metadata={"help": "candidate fixes per task (chance = 1/this)"})
     rl_tasks: int = field(default=0, metadata={
         "help": "training-split tasks generated for RL alone, after the others (never seen by the expert or SFT); "
@@ -165,7 +168,8 @@ class Pipeline:
         started = time.perf_counter()
         config = self.config
         image = self._image()
-        suite = choice_suite(generate_suite(config.tasks, config.seed, image, config.heldout_fraction),
+        suite = choice_suite(generate_suite(config.tasks, config.seed, image, config.heldout_fraction,
+                                            split_seed=config.split_seed),
                              config.candidates, config.seed)
         save_tasks(suite, config.output_dir / "tasks.jsonl")
         train = [t for t in suite if t.split == "train"]
@@ -202,7 +206,8 @@ class Pipeline:
         wanted = skip + config.rl_tasks
         total = config.tasks + wanted
         while True:
-            fresh = [t for t in generate_suite(total, config.seed, image, config.heldout_fraction)[config.tasks:]
+            fresh = [t for t in generate_suite(total, config.seed, image, config.heldout_fraction,
+                                                    split_seed=config.split_seed)[config.tasks:]
                      if t.split == "train"]
             if len(fresh) >= wanted:
                 break

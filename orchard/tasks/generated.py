@@ -27,9 +27,9 @@ Levels:
 
 Names (package, modules, functions) and numbers come from the seed, so tasks differ.
 
-Split rule: held out by *variant*. From the seed, ``round(heldout_fraction * 18)`` variants
-(at least one when the fraction is positive, at most 12) are held out, never all three of a
-family, so every family is trained on. Task ``i`` is held out when ``floor((i + 1) * f) > floor(i * f)``
+Split rule: held out by *variant*. From the seed (or ``split_seed``, when given),
+``round(heldout_fraction * 18)`` variants (at least one when the fraction is positive, at
+most 12) are held out, never all three of a family, so every family is trained on. Task ``i`` is held out when ``floor((i + 1) * f) > floor(i * f)``
 (an even spread, ``floor(n * f)`` tasks in all), and then plants a held-out variant; train
 tasks plant and even use as distractors only train variants. So held-out tasks are code shapes
 the train split never shows. Families and levels cycle, so any 18 consecutive train tasks
@@ -41,6 +41,7 @@ from __future__ import annotations
 import math
 import random
 from fractions import Fraction
+from typing import Optional
 
 from orchard.tasks.bugs import FAMILIES, VARIANTS, Variant, describe
 from orchard.tasks.gen_repo import TEST_COMMAND, Repo, build_repo
@@ -129,11 +130,13 @@ def generate_task(index: int, seed: int, variant: Variant, level: str, split: st
 
 
 def generate_suite(n: int, seed: int, image: str, heldout_fraction: float = 0.2,
-                   workdir: str = "/workspace") -> list[Task]:
-    """``n`` tasks, the same for the same arguments (see the module docstring for the split)."""
+                   workdir: str = "/workspace", split_seed: Optional[int] = None) -> list[Task]:
+    """``n`` tasks, the same for the same arguments (see the module docstring for the split).
+    ``split_seed``: hold out the variants of that seed instead of ``seed``'s, so suites of
+    several seeds (a study's) are judged on the same code shapes."""
     if n < 0:
         raise ValueError(f"n must be >= 0; got {n}")
-    heldout = heldout_variants(seed, heldout_fraction)
+    heldout = heldout_variants(seed if split_seed is None else split_seed, heldout_fraction)
     train = [v for v in VARIANTS if v not in heldout]
     by_family = {family: [v for v in train if v.family == family] for family in FAMILIES}
     fraction = Fraction(heldout_fraction).limit_denominator(10_000)

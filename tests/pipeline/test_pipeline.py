@@ -199,6 +199,18 @@ def test_rl_tasks_are_training_tasks_that_sft_never_sees(kit_image, tmp_path):
         PipelineConfig(output_dir=tmp_path / "d", rl_tasks=-1)
 
 
+def test_a_split_seed_holds_out_its_variants_from_sft_and_from_rl(kit_image, tmp_path):
+    from orchard.pipeline.run import Pipeline, PipelineConfig
+    from orchard.tasks.generated import heldout_variants
+
+    pipeline = Pipeline(PipelineConfig(output_dir=tmp_path, seed=1, split_seed=2, tasks=48, rl_tasks=12,
+                                       image=kit_image), progress=False)
+    (train, heldout), rl = pipeline.make_tasks(), pipeline.make_rl_tasks()
+    shapes = {(v.family, v.name) for v in heldout_variants(2, 0.25)}
+    assert {tuple(t.tags[:2]) for t in heldout} == shapes
+    assert not shapes & {tuple(t.tags[:2]) for t in train + rl}
+
+
 def test_a_continuation_trains_on_the_rl_tasks_after_its_earlier_runs(kit_image, tmp_path):
     from orchard.pipeline.run import Pipeline, PipelineConfig
 

@@ -166,3 +166,16 @@ def test_split_rule_edges():
         generate_suite(-1, 1, "host")
     random_seed_suite = generate_suite(10, random.Random(4).randint(0, 10**6), "host", heldout_fraction=0.5)
     assert Counter(t.split for t in random_seed_suite) == {"train": 5, "heldout": 5}
+
+
+def test_a_split_seed_holds_out_the_same_variants_for_every_seed():
+    """A study over seeds judges each on the same code shapes; the tasks themselves stay the seed's."""
+    shared = {seed: generate_suite(40, seed, "host", heldout_fraction=0.25, split_seed=7) for seed in (1, 2)}
+    wanted = {(v.family, v.name) for v in heldout_variants(7, 0.25)}
+    for seed, suite in shared.items():
+        assert {tuple(t.tags) for t in suite if t.split == "heldout"} == wanted
+        assert not wanted & {tuple(t.tags) for t in suite if t.split == "train"}
+    assert [t.files for t in shared[1]] != [t.files for t in shared[2]]  # names and numbers are the seed's
+    assert {(v.family, v.name) for v in heldout_variants(1, 0.25)} != wanted  # so the split did move
+    own = generate_suite(40, 1, "host", heldout_fraction=0.25)
+    assert generate_suite(40, 1, "host", heldout_fraction=0.25, split_seed=1) == own  # its own seed: unchanged
