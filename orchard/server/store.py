@@ -14,7 +14,7 @@ import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Optional, TypeVar
+from typing import Any, Callable, Iterable, Optional, TypeVar
 
 from pydantic import ValidationError
 
@@ -142,28 +142,48 @@ CREATE INDEX IF NOT EXISTS jobs_by_completion ON jobs (done, completed_at);
 """
 
 
+def _guarded(call: Callable[..., T], *args: object) -> T:
+    try:
+        return call(*args)
+    except sqlite3.DatabaseError as exc:
+        raise StoreUnavailable(f"the server's state store failed: {exc}") from exc
+
+
+class _Rows:
+    """A statement's rows, whose later steps fail as StoreUnavailable too: SQLite reads a page
+    only when a step reaches it, so a damaged page past a query's first rows is met in
+    ``fetchall``, not in ``execute``."""
+
+    def __init__(self, cursor: sqlite3.Cursor) -> None:
+        self.cursor = cursor
+
+    @property
+    def rowcount(self) -> int:
+        return self.cursor.rowcount
+
+    def fetchone(self) -> Any:
+        return _guarded(self.cursor.fetchone)
+
+    def fetchall(self) -> list[Any]:
+        return _guarded(self.cursor.fetchall)
+
+
 class _Database:
-    """A SQLite connection whose errors (disk full, I/O errors, a locked file) are the typed,
-    retryable StoreUnavailable: each statement is its own transaction, so a failed one
-    changed nothing, and the caller hears a 503 instead of a 500 and a dropped connection."""
+    """A SQLite connection whose errors (disk full, I/O errors, a locked file, a damaged page)
+    are the typed, retryable StoreUnavailable: each statement is its own transaction, so a
+    failed one changed nothing, and the caller hears a 503 instead of a 500 and a dropped connection."""
 
     def __init__(self, path: Path) -> None:
         self.connection = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False)
 
-    def _guard(self, method: str, *args: object) -> sqlite3.Cursor:
-        try:
-            return getattr(self.connection, method)(*args)
-        except sqlite3.DatabaseError as exc:
-            raise StoreUnavailable(f"the server's state store failed: {exc}") from exc
+    def execute(self, *args: object) -> _Rows:
+        return _Rows(_guarded(self.connection.execute, *args))
 
-    def execute(self, *args: object) -> sqlite3.Cursor:
-        return self._guard("execute", *args)
+    def executemany(self, *args: object) -> _Rows:
+        return _Rows(_guarded(self.connection.executemany, *args))
 
-    def executemany(self, *args: object) -> sqlite3.Cursor:
-        return self._guard("executemany", *args)
-
-    def executescript(self, script: str) -> sqlite3.Cursor:
-        return self._guard("executescript", script)
+    def executescript(self, script: str) -> _Rows:
+        return _Rows(_guarded(self.connection.executescript, script))
 
     def close(self) -> None:
         self.connection.close()
