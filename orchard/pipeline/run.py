@@ -24,7 +24,7 @@ from typing import Any, Optional
 
 from orchard.pipeline.chain import PipelineInputError, dig, read_report, rl_rounds_of_run, rl_tasks_used
 from orchard.pipeline.model import BaseModelConfig
-from orchard.pipeline.names import SAMPLERS, rl_model, rl_rounds, slug
+from orchard.pipeline.names import SAMPLERS, arm_model, rl_model, rl_rounds, slug
 from orchard.train.memory import memory_mb
 
 SYSTEM = "You fix bugs in a git repository. Reply with one ```bash block per turn; a block holding only submit ends."
@@ -126,8 +126,11 @@ class Pipeline:
             rl_pool = self.make_rl_tasks(skip=skip) or train
             self.report["rl_tasks_used"] = skip + config.rl_tasks
             self.report["rl_rounds"] = rounds = rounds_before + 1
+            sampler, arms = rl_arms(config, ablations)
+            final = arm_model(rounds, sampler)
+            made = {arm_model(rounds, s) for s in (sampler, *arms)}
             if config.start_from:
-                model, tokenizer, results = self.reuse(config.start_from, "rl" if config.continue_rl else "sft")
+                model, tokenizer, results = self.reuse(config.start_from, "rl" if config.continue_rl else "sft", made)
             else:
                 model, tokenizer = self.base_model(train)
                 base_weights = copy.deepcopy(model.state_dict())
@@ -137,22 +140,20 @@ class Pipeline:
                 self.sft(model, tokenizer, examples, "sft")
                 results["sft"] = await self.evaluate("sft", model, tokenizer, heldout)
             start_weights = copy.deepcopy(model.state_dict())
-            final = rl_model(rounds)
             if final in results:
                 raise PipelineInputError(f"start_from: {config.start_from} already holds a model named {final}")
-            await self.rl(model, tokenizer, rl_pool, config.rl.get("sampler", "bar"), "rl")
+            await self.rl(model, tokenizer, rl_pool, sampler, "rl")
             results[final] = await self.evaluate(final, model, tokenizer, heldout)
             if ablations and not config.start_from:
                 other = "credit" if config.sft_data == "resolved" else "resolved"
                 model.load_state_dict(base_weights)
                 self.sft(model, tokenizer, await self.credit(trajectories, train, other), f"sft-{other}")
                 results[f"sft ({other})"] = await self.evaluate(f"sft ({other})", model, tokenizer, heldout)
-            if ablations:
-                for sampler in [s for s in SAMPLERS if s != config.rl.get("sampler", "bar")]:
-                    model.load_state_dict(start_weights)
-                    await self.rl(model, tokenizer, rl_pool, sampler, f"rl-{sampler}")
-                    results[f"{final} ({sampler})"] = await self.evaluate(f"{final} ({sampler})", model, tokenizer,
-                                                                          heldout)
+            for arm in arms:
+                model.load_state_dict(start_weights)
+                await self.rl(model, tokenizer, rl_pool, arm, f"rl-{arm}")
+                name = arm_model(rounds, arm)
+                results[name] = await self.evaluate(name, model, tokenizer, heldout)
         self.report["results"] = results
         from orchard.pipeline.report import write_report
 
@@ -242,11 +243,12 @@ class Pipeline:
                     note="a small Llama pre-trained here on random-choice conversations of the training tasks")
         return model, tokenizer
 
-    def reuse(self, earlier: Path, stage: str) -> tuple[Any, Any, dict[str, Any]]:
+    def reuse(self, earlier: Path, stage: str, made: set[str]) -> tuple[Any, Any, dict[str, Any]]:
         """The base model and the weights ``stage`` ("sft" or "rl") left in an ``earlier`` run
         on the same tasks, and its evaluations up to them, so RL can be run again (longer, or
-        otherwise) or continued without redoing what came before. Refused if that run's tasks
-        differ from this one's."""
+        otherwise) or continued without redoing what came before; beside them its RL models
+        that this run's, named in ``made``, are arms of (``sibling_models``). Refused if that
+        run's tasks differ from this one's."""
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -269,7 +271,8 @@ class Pipeline:
         earlier_results = earlier_report.get("results")
         if not isinstance(earlier_results, dict):
             raise PipelineInputError(f"start_from: {earlier}/report.json has no results (the run did not finish)")
-        results = {name: earlier_results[name] for name in reused_models(earlier_results, stage == "rl")}
+        kept = reused_models(earlier_results, stage == "rl") + sibling_models(earlier_report, self.config, made)
+        results = {name: earlier_results[name] for name in kept}
         tokenizer = AutoTokenizer.from_pretrained(earlier / "base")
         model = AutoModelForCausalLM.from_pretrained(earlier / "base")
         weights = torch.load(checkpoint / "state.pt", weights_only=False)["model"]
@@ -414,6 +417,39 @@ def reused_models(earlier: Any, continue_rl: bool) -> list[str]:
         return name == "base" or rounds == 0 or (continue_rl and rounds is not None)
 
     return [name for name in earlier if kept(name)]
+
+
+def rl_arms(config: PipelineConfig, ablations: bool) -> tuple[str, list[str]]:
+    """The group sampler a run trains with, and (with ``ablations``) the others it also tries."""
+    sampler = config.rl.get("sampler", "bar")
+    return sampler, [s for s in SAMPLERS if s != sampler] if ablations else []
+
+
+ARM_SETTINGS = ("tasks", "heldout_fraction", "split_seed", "candidates", "rl_tasks", "rollout", "eval_attempts",
+                "temperature")  # what RL and its evaluation saw, besides the rl settings
+
+
+def sibling_models(earlier: Any, config: PipelineConfig, made: set[str]) -> list[str]:
+    """The first round's RL models of an ``earlier`` run (its report) that a run started from
+    its SFT weights, ``config``, is an arm of: RL alike but for the group sampler (the same
+    rl settings and budget, RL tasks, rollouts and evaluation), so the study compares the
+    two as it compares ``--ablations`` arms. None for a continuation, for an earlier run that
+    continued RL itself, or where any setting differs; never one this run makes (``made``)."""
+    theirs = dig(earlier, "config")
+    if config.continue_rl or not isinstance(theirs, dict) or theirs.get("continue_rl") or (
+            dig(earlier, "rl_rounds") not in (None, 1)):
+        return []
+    ours = json.loads(json.dumps(asdict(config), default=str))
+
+    def rl_but_sampler(rl: Any) -> Any:
+        return {k: v for k, v in rl.items() if k != "sampler"} if isinstance(rl, dict) else rl
+
+    if rl_but_sampler(theirs.get("rl")) != rl_but_sampler(ours["rl"]) or any(
+            theirs.get(key) != ours[key] for key in ARM_SETTINGS):
+        return []
+    results = earlier.get("results")
+    return [name for name in (results if isinstance(results, dict) else {})
+            if rl_rounds(name.partition(" (")[0]) == 1 and name not in made]
 
 
 def _default_image() -> Path:

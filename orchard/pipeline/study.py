@@ -23,7 +23,9 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any, Sequence
 
-from orchard.pipeline.names import comparisons, model_of_slug, model_order
+from orchard.pipeline.chain import dig
+from orchard.pipeline.names import arm_model, comparisons, model_of_slug, model_order
+from orchard.pipeline.run import PipelineConfig, reused_models, rl_arms, run_pipeline, sibling_models
 
 # Student's t, two-sided 95% (the 0.975 quantile), by degrees of freedom; above 30 the normal's.
 T_975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
@@ -43,7 +45,6 @@ def paired_reading(paired: Sequence[float]) -> dict[str, Any]:
         t = mean / (std / len(paired) ** 0.5)
     critical = T_975[len(paired) - 2] if len(paired) - 1 <= len(T_975) else 1.960
     return {"mean": mean, "std": std, "t": t, "beyond": t is not None and abs(t) > critical}
-from orchard.pipeline.run import PipelineConfig, reused_models, run_pipeline
 
 
 def summarize(per_seed: dict[int, dict[str, float]]) -> dict[str, Any]:
@@ -106,13 +107,21 @@ def evaluated(run_dir: Path) -> dict[str, float]:
     return found
 
 
+def _report(run_dir: Path) -> Any:
+    """A run's report.json, or None where it has none that can be read."""
+    try:
+        return json.loads((run_dir / "report.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
 def _reported(run_dir: Path) -> dict[str, float]:
     """Held-out success of every model a finished run reports, reused evaluations included
     (its eval files hold only what it evaluated itself)."""
     try:
-        results = json.loads((run_dir / "report.json").read_text())["results"]
+        results = dig(_report(run_dir), "results")
         return {model: float(r["pass_rate"]) for model, r in results.items()}
-    except (OSError, ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError, AttributeError):
         return {}
 
 
@@ -145,7 +154,10 @@ def run_study(config: PipelineConfig, seeds: Sequence[int], ablations: bool = Fa
             found = evaluated(seed_config.output_dir)
             if found and seed_config.start_from:
                 earlier = _reported(seed_config.start_from) or evaluated(seed_config.start_from)
-                found = {**{m: earlier[m] for m in reused_models(earlier, seed_config.continue_rl)}, **found}
+                sampler, arms = rl_arms(seed_config, ablations)
+                kept = reused_models(earlier, seed_config.continue_rl) + sibling_models(
+                    _report(seed_config.start_from), seed_config, {arm_model(1, s) for s in (sampler, *arms)})
+                found = {**{m: earlier[m] for m in kept if m in earlier}, **found}
             if found:
                 per_seed[seed] = found
             continue

@@ -133,6 +133,15 @@ def test_orchard_pipeline_runs_end_to_end_with_tiny_budgets(orchard_backend_sett
     assert "sft+rl" in rerun["results"] and rerun["stages"]["rl"]["steps"] == 2
     assert not {"base model", "expert trajectories", "sft"} & set(rerun["stages"])
     assert rerun["stages"]["reused"]["run"] == str(tmp_path / "run")
+    # another group sampler from that run's SFT weights, RL otherwise alike: an arm beside its BAR model
+    (tmp_path / "arm.yaml").write_text(yaml.safe_dump({**config, "start_from": str(tmp_path / "run"),
+                                                       "rl": {**config["rl"], "sampler": "dapo"}}))
+    arm = CliRunner().invoke(cli, ["pipeline", "--config", str(tmp_path / "arm.yaml"), "--output", str(tmp_path / "arm")])
+    assert arm.exit_code == 0, arm.output
+    armed = json.loads((tmp_path / "arm" / "report.json").read_text())
+    assert list(armed["results"]) == ["base", "sft", "sft+rl", "sft+rl (dapo)"]
+    assert armed["results"]["sft+rl"] == report["results"]["sft+rl"]  # the earlier run's, as it evaluated it
+    assert armed["stages"]["rl"]["sampler"] == "dapo" and (tmp_path / "arm" / "eval-sft-rl-dapo.jsonl").exists()
     # RL continued from that run's SFT+RL weights, on RL tasks after the ones it trained on
     (tmp_path / "more.yaml").write_text(yaml.safe_dump({**config, "start_from": str(tmp_path / "run"),
                                                         "continue_rl": True, "rl_tasks": 4}))

@@ -187,3 +187,39 @@ def test_sft_data_names_its_choices():
     assert PipelineConfig(output_dir=Path("x"), sft_data="credit-all").sft_data == "credit-all"
     with pytest.raises(ValueError, match="credit, credit-all, resolved"):
         PipelineConfig(output_dir=Path("x"), sft_data="credit_all")
+
+
+def test_an_arm_run_from_a_studys_sft_weights_is_compared_with_its_bar_model_only_when_rl_was_alike(tmp_path):
+    from dataclasses import asdict
+
+    from orchard.pipeline.run import PipelineConfig, sibling_models
+    from orchard.pipeline.study import run_study
+
+    rl = {"steps": 9, "rollout_budget": 64}
+    for seed in (0, 1):
+        earlier = tmp_path / "bar" / f"seed-{seed}"
+        earlier.mkdir(parents=True)
+        stored = json.loads(json.dumps(asdict(PipelineConfig(output_dir=earlier, seed=seed, rl=rl)), default=str))
+        (earlier / "report.json").write_text(json.dumps({"config": stored, "rl_rounds": 1, "results": {
+            "base": {"pass_rate": 0.1}, "sft": {"pass_rate": 0.5}, "sft+rl": {"pass_rate": 0.6},
+            "sft+rl (fixed)": {"pass_rate": 0.55}}}))
+        later = tmp_path / "dapo" / f"seed-{seed}"
+        later.mkdir(parents=True)
+        (later / "eval-sft-rl-dapo.jsonl").write_text(json.dumps({"status": "completed", "grade": {"resolved": True}}) + "\n")
+    config = PipelineConfig(output_dir=tmp_path / "dapo", start_from=tmp_path / "bar", rl={**rl, "sampler": "dapo"})
+    summary = run_study(config, [0, 1], summarize_only=True)
+    assert {model: row["values"][0] for model, row in summary["models"].items()} == {
+        "base": 0.1, "sft": 0.5, "sft+rl": 0.6, "sft+rl (fixed)": 0.55, "sft+rl (dapo)": 1.0}
+    assert {(g["from"], g["to"]) for g in summary["gaps"]} >= {("sft+rl (dapo)", "sft+rl"), ("sft+rl (fixed)", "sft+rl")}
+
+    report = json.loads((tmp_path / "bar" / "seed-0" / "report.json").read_text())
+    arm = PipelineConfig(output_dir=tmp_path / "x", rl={**rl, "sampler": "dapo"})
+    assert sibling_models(report, arm, {"sft+rl (dapo)"}) == ["sft+rl", "sft+rl (fixed)"]
+    assert sibling_models(report, arm, {"sft+rl (dapo)", "sft+rl (fixed)"}) == ["sft+rl"]  # its own arms are its own
+    for unlike in ({"rl": {**rl, "rollout_budget": 128, "sampler": "dapo"}}, {"rl_tasks": 300, "rl": rl},
+                   {"split_seed": 0, "rl": rl}, {"rollout": {"max_turns": 2}, "rl": rl}):
+        assert sibling_models(report, PipelineConfig(output_dir=tmp_path / "x", **unlike), set()) == [], unlike
+    assert sibling_models({**report, "rl_rounds": 2}, arm, set()) == []  # RL continued there: another round
+    assert sibling_models(report, PipelineConfig(output_dir=tmp_path / "x", rl=rl, start_from=tmp_path,
+                                                 continue_rl=True), set()) == []
+    assert sibling_models({"results": report["results"]}, arm, set()) == []  # no config: nothing to check against
