@@ -33,12 +33,15 @@ def tasks() -> None:
 @click.option("--heldout-fraction", type=click.FloatRange(0.0, 1.0, max_open=True), default=0.2,
               show_default=True, help="share of tasks from held-out bug variants (split 'heldout')")
 @click.option("--workdir", default="/workspace", show_default=True, help="repository path in the sandbox")
+@click.option("--split-seed", type=int, default=None,
+              help="hold out the variants this seed picks (default: --seed's), as a pipeline's split_seed does")
 @handle_errors
-def generate(n: int, seed: int, image: str, out_path: Path, heldout_fraction: float, workdir: str) -> None:
+def generate(n: int, seed: int, image: str, out_path: Path, heldout_fraction: float, workdir: str,
+             split_seed: Optional[int]) -> None:
     """Write N seeded bug-fixing tasks (small Python repositories with unittest suites)."""
     from orchard.tasks import generate_suite, save_tasks
 
-    suite = generate_suite(n, seed, image, heldout_fraction=heldout_fraction, workdir=workdir)
+    suite = generate_suite(n, seed, image, heldout_fraction=heldout_fraction, workdir=workdir, split_seed=split_seed)
     save_tasks(suite, out_path)
     splits = Counter(task.split for task in suite)
     _say(f"wrote {len(suite)} tasks to {out_path} "

@@ -19,12 +19,6 @@ def rl_model(rounds: int) -> str:
     return "sft" + "+rl" * rounds
 
 
-def arm_model(rounds: int, sampler: str) -> str:
-    """The model ``rounds`` rounds of RL with group ``sampler`` made: the recipe's own name for
-    BAR (``sft+rl``), the arm's for the others (``sft+rl (dapo)``), whichever a run chose first."""
-    return rl_model(rounds) if sampler == "bar" else f"{rl_model(rounds)} ({sampler})"
-
-
 def rl_rounds(name: str) -> int | None:
     """How many rounds of RL the recipe model ``name`` had (0 for ``sft``), None for any other name."""
     found = re.fullmatch(r"sft((?:\+rl)*)", name)

@@ -31,6 +31,10 @@ def markdown(report: dict[str, Any]) -> str:
     credit = stages.get("credit assignment", {})
     if credit:
         lines += ["", f"Values for credit assignment: {credit.get('values')}."]
+    if report.get("arm_of"):
+        lines += ["", f"This run is an arm of {report['arm_of']}: `{report.get('rl_model')}` is RL with another group "
+                      "sampler from that run's SFT weights, RL otherwise alike; that run's first-round RL models "
+                      "are carried from its report beside it."]
     if any("(" in name for name in results):
         lines += ["", "Ablation arms: `sft (resolved|credit)` is SFT from the same base model on the other data "
                       "built from the same expert trajectories; `sft+rl (sampler)` is RL from the same SFT weights "
@@ -47,7 +51,8 @@ def plot(report: dict[str, Any], out_dir: Path) -> None:
 
     results = report["results"]
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8))
-    shown = sorted((m for m in results if m == "base" or rl_rounds(m) is not None), key=model_order)
+    own = report.get("rl_model")  # an arm run's own model has its sampler in brackets
+    shown = sorted((m for m in results if m == "base" or rl_rounds(m) is not None or m == own), key=model_order)
     rates = [results[s]["pass_rate"] for s in shown]
     errors = [[r - results[s]["pass_rate_95"][0] for s, r in zip(shown, rates)],
               [results[s]["pass_rate_95"][1] - r for s, r in zip(shown, rates)]]
@@ -73,7 +78,7 @@ def write_report(report: dict[str, Any], out_dir: Path) -> None:
 
 
 def _colour(model: str) -> str:
-    rounds = rl_rounds(model)
+    rounds = rl_rounds(model.partition(" (")[0])
     if rounds is None:
         return "#999999"  # base
     return "#6a9fd8" if rounds == 0 else GREENS[min(rounds, len(GREENS)) - 1]

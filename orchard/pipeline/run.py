@@ -24,7 +24,7 @@ from typing import Any, Optional
 
 from orchard.pipeline.chain import PipelineInputError, dig, read_report, rl_rounds_of_run, rl_tasks_used
 from orchard.pipeline.model import BaseModelConfig
-from orchard.pipeline.names import SAMPLERS, arm_model, rl_model, rl_rounds, slug
+from orchard.pipeline.names import SAMPLERS, rl_model, rl_rounds, slug
 from orchard.train.memory import memory_mb
 
 SYSTEM = "You fix bugs in a git repository. Reply with one ```bash block per turn; a block holding only submit ends."
@@ -126,11 +126,10 @@ class Pipeline:
             rl_pool = self.make_rl_tasks(skip=skip) or train
             self.report["rl_tasks_used"] = skip + config.rl_tasks
             self.report["rl_rounds"] = rounds = rounds_before + 1
-            sampler, arms = rl_arms(config, ablations)
-            final = arm_model(rounds, sampler)
-            made = {arm_model(rounds, s) for s in (sampler, *arms)}
+            earlier: Any = None
             if config.start_from:
-                model, tokenizer, results = self.reuse(config.start_from, "rl" if config.continue_rl else "sft", made)
+                model, tokenizer, results, earlier = self.reuse(config.start_from,
+                                                                "rl" if config.continue_rl else "sft")
             else:
                 model, tokenizer = self.base_model(train)
                 base_weights = copy.deepcopy(model.state_dict())
@@ -139,6 +138,13 @@ class Pipeline:
                 examples = await self.credit(trajectories, train, config.sft_data)
                 self.sft(model, tokenizer, examples, "sft")
                 results["sft"] = await self.evaluate("sft", model, tokenizer, heldout)
+            sampler, _ = rl_arms(config, ablations)
+            final, arms, is_arm = model_names(config, ablations, rounds, earlier)
+            if is_arm:  # the run it is an arm of: its first-round RL models, set beside this one's
+                results.update({name: earlier["results"][name]
+                                for name in sibling_models(earlier, {final, *arms.values()})})
+                self.report["arm_of"] = str(config.start_from)
+            self.report["rl_model"], self.report["ablations"] = final, ablations
             start_weights = copy.deepcopy(model.state_dict())
             if final in results:
                 raise PipelineInputError(f"start_from: {config.start_from} already holds a model named {final}")
@@ -149,10 +155,9 @@ class Pipeline:
                 model.load_state_dict(base_weights)
                 self.sft(model, tokenizer, await self.credit(trajectories, train, other), f"sft-{other}")
                 results[f"sft ({other})"] = await self.evaluate(f"sft ({other})", model, tokenizer, heldout)
-            for arm in arms:
+            for arm, name in arms.items():
                 model.load_state_dict(start_weights)
                 await self.rl(model, tokenizer, rl_pool, arm, f"rl-{arm}")
-                name = arm_model(rounds, arm)
                 results[name] = await self.evaluate(name, model, tokenizer, heldout)
         self.report["results"] = results
         from orchard.pipeline.report import write_report
@@ -243,12 +248,11 @@ class Pipeline:
                     note="a small Llama pre-trained here on random-choice conversations of the training tasks")
         return model, tokenizer
 
-    def reuse(self, earlier: Path, stage: str, made: set[str]) -> tuple[Any, Any, dict[str, Any]]:
+    def reuse(self, earlier: Path, stage: str) -> tuple[Any, Any, dict[str, Any], dict[str, Any]]:
         """The base model and the weights ``stage`` ("sft" or "rl") left in an ``earlier`` run
-        on the same tasks, and its evaluations up to them, so RL can be run again (longer, or
-        otherwise) or continued without redoing what came before; beside them its RL models
-        that this run's, named in ``made``, are arms of (``sibling_models``). Refused if that
-        run's tasks differ from this one's."""
+        on the same tasks, its evaluations up to them, and its report, so RL can be run again
+        (longer, or otherwise) or continued without redoing what came before. Refused if that
+        run's tasks differ from this one's, and RL continued from an arm run."""
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -271,8 +275,11 @@ class Pipeline:
         earlier_results = earlier_report.get("results")
         if not isinstance(earlier_results, dict):
             raise PipelineInputError(f"start_from: {earlier}/report.json has no results (the run did not finish)")
-        kept = reused_models(earlier_results, stage == "rl") + sibling_models(earlier_report, self.config, made)
-        results = {name: earlier_results[name] for name in kept}
+        if stage == "rl" and earlier_report.get("arm_of"):
+            raise PipelineInputError(f"start_from: {earlier} is an arm of {earlier_report['arm_of']} (RL with another "
+                                     "group sampler from its SFT weights): continue that run, or run this sampler's "
+                                     "RL as a run of its own")
+        results = {name: earlier_results[name] for name in reused_models(earlier_results, stage == "rl")}
         tokenizer = AutoTokenizer.from_pretrained(earlier / "base")
         model = AutoModelForCausalLM.from_pretrained(earlier / "base")
         weights = torch.load(checkpoint / "state.pt", weights_only=False)["model"]
@@ -282,7 +289,7 @@ class Pipeline:
         self._stage("reused", started, run=str(earlier), **{f"{stage}_checkpoint": checkpoint.name},
                     note=f"base model, {'RL' if stage == 'rl' else 'SFT'} weights and their held-out "
                          "evaluations from an earlier run")
-        return model, tokenizer, results
+        return model, tokenizer, results, earlier_report
 
     def _keep_base(self, model: Any, tokenizer: Any) -> None:
         """Save this run's own copy of its base model, replacing whatever ``base`` was there
@@ -429,25 +436,40 @@ ARM_SETTINGS = ("tasks", "heldout_fraction", "split_seed", "candidates", "rl_tas
                 "temperature")  # what RL and its evaluation saw, besides the rl settings
 
 
-def sibling_models(earlier: Any, config: PipelineConfig, made: set[str]) -> list[str]:
-    """The first round's RL models of an ``earlier`` run (its report) that a run started from
-    its SFT weights, ``config``, is an arm of: RL alike but for the group sampler (the same
-    rl settings and budget, RL tasks, rollouts and evaluation), so the study compares the
-    two as it compares ``--ablations`` arms. None for a continuation, for an earlier run that
-    continued RL itself, or where any setting differs; never one this run makes (``made``)."""
+def arm_of(earlier: Any, config: PipelineConfig) -> bool:
+    """Whether a run from the ``earlier`` run's SFT weights (its report) is an arm of it: RL
+    with another group sampler and otherwise alike (the same rl settings and budget, RL tasks,
+    rollout and evaluation settings), so the two stand side by side as ``--ablations`` arms
+    do. Never for a continuation, nor from a run that continued RL or is an arm itself."""
     theirs = dig(earlier, "config")
-    if config.continue_rl or not isinstance(theirs, dict) or theirs.get("continue_rl") or (
-            dig(earlier, "rl_rounds") not in (None, 1)):
-        return []
+    if config.continue_rl or not isinstance(theirs, dict) or theirs.get("continue_rl") or dig(earlier, "arm_of") or (
+            dig(earlier, "rl_rounds") not in (None, 1)) or not isinstance(theirs.get("rl"), dict):
+        return False
     ours = json.loads(json.dumps(asdict(config), default=str))
 
-    def rl_but_sampler(rl: Any) -> Any:
-        return {k: v for k, v in rl.items() if k != "sampler"} if isinstance(rl, dict) else rl
+    def but_sampler(rl: dict) -> dict:
+        return {k: v for k, v in rl.items() if k != "sampler"}
 
-    if rl_but_sampler(theirs.get("rl")) != rl_but_sampler(ours["rl"]) or any(
-            theirs.get(key) != ours[key] for key in ARM_SETTINGS):
-        return []
-    results = earlier.get("results")
+    return (theirs["rl"].get("sampler", "bar") != ours["rl"].get("sampler", "bar")
+            and but_sampler(theirs["rl"]) == but_sampler(ours["rl"])
+            and all(theirs.get(key) == ours[key] for key in ARM_SETTINGS))
+
+
+def model_names(config: PipelineConfig, ablations: bool, rounds: int, earlier: Any) -> tuple[str, dict[str, str], bool]:
+    """This run's RL model, its ablation arms' models (sampler -> name), and whether it is an
+    arm of the ``earlier`` run it started from (``arm_of``): its model is then named for its
+    sampler (``sft+rl (dapo)``), as that run's own arms are; otherwise it is the recipe's
+    model of this round (``sft+rl``), whichever sampler made it."""
+    sampler, others = rl_arms(config, ablations)
+    recipe = rl_model(rounds)
+    is_arm = earlier is not None and arm_of(earlier, config)
+    return (f"{recipe} ({sampler})" if is_arm else recipe), {s: f"{recipe} ({s})" for s in others}, is_arm
+
+
+def sibling_models(earlier: Any, made: set[str]) -> list[str]:
+    """The first-round RL models of the run an arm run is an arm of (its recipe model and its
+    own arms), carried beside the arm's; never one the arm run makes itself (``made``)."""
+    results = dig(earlier, "results")
     return [name for name in (results if isinstance(results, dict) else {})
             if rl_rounds(name.partition(" (")[0]) == 1 and name not in made]
 

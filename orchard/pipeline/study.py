@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from orchard.pipeline.chain import dig
-from orchard.pipeline.names import arm_model, comparisons, model_of_slug, model_order
-from orchard.pipeline.run import PipelineConfig, reused_models, rl_arms, run_pipeline, sibling_models
+from orchard.pipeline.names import comparisons, model_of_slug, model_order
+from orchard.pipeline.run import PipelineConfig, model_names, reused_models, run_pipeline, sibling_models
 
 # Student's t, two-sided 95% (the 0.975 quantile), by degrees of freedom; above 30 the normal's.
 T_975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
@@ -136,7 +136,10 @@ def _finished(config: PipelineConfig, ablations: bool) -> dict[str, Any] | None:
     stored = report.get("config") or {}
     # a setting added since that run was written is read as its default (it ran without it)
     same = {**{k: v for k, v in defaults.items() if k not in stored}, **stored} == expected
-    return report if same and any("(" in model for model in report["results"]) == ablations else None
+    ran = report.get("ablations")  # recorded since arm runs (a bracketed name without --ablations)
+    if not isinstance(ran, bool):
+        ran = any("(" in model for model in report["results"])
+    return report if same and ran == ablations else None
 
 
 def run_study(config: PipelineConfig, seeds: Sequence[int], ablations: bool = False,
@@ -154,9 +157,11 @@ def run_study(config: PipelineConfig, seeds: Sequence[int], ablations: bool = Fa
             found = evaluated(seed_config.output_dir)
             if found and seed_config.start_from:
                 earlier = _reported(seed_config.start_from) or evaluated(seed_config.start_from)
-                sampler, arms = rl_arms(seed_config, ablations)
-                kept = reused_models(earlier, seed_config.continue_rl) + sibling_models(
-                    _report(seed_config.start_from), seed_config, {arm_model(1, s) for s in (sampler, *arms)})
+                kept = reused_models(earlier, seed_config.continue_rl)
+                earlier_report = _report(seed_config.start_from)
+                final, arms, is_arm = model_names(seed_config, ablations, 1, earlier_report)
+                if is_arm:
+                    kept += sibling_models(earlier_report, {final, *arms.values()})
                 found = {**{m: earlier[m] for m in kept if m in earlier}, **found}
             if found:
                 per_seed[seed] = found

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import secrets
@@ -149,6 +150,15 @@ def _guarded(call: Callable[..., T], *args: object) -> T:
         raise StoreUnavailable(f"the server's state store failed: {exc}") from exc
 
 
+def _text(value: bytes) -> "str | bytes":
+    """A text column as str; one that is not UTF-8 (bit rot) stays bytes, so only its own row
+    fails to parse (StoreRecordDamaged, skipped in listings), not the statement that read it."""
+    try:
+        return value.decode()
+    except UnicodeDecodeError:
+        return value
+
+
 class _Rows:
     """A statement's rows, whose later steps fail as StoreUnavailable too: SQLite reads a page
     only when a step reaches it, so a damaged page past a query's first rows is met in
@@ -174,7 +184,9 @@ class _Database:
     failed one changed nothing, and the caller hears a 503 instead of a 500 and a dropped connection."""
 
     def __init__(self, path: Path) -> None:
-        self.connection = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False)
+        self.connection = _guarded(functools.partial(sqlite3.connect, isolation_level=None, check_same_thread=False),
+                                   str(path))
+        self.connection.text_factory = _text
 
     def execute(self, *args: object) -> _Rows:
         return _Rows(_guarded(self.connection.execute, *args))

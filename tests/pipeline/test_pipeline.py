@@ -142,6 +142,12 @@ def test_orchard_pipeline_runs_end_to_end_with_tiny_budgets(orchard_backend_sett
     assert list(armed["results"]) == ["base", "sft", "sft+rl", "sft+rl (dapo)"]
     assert armed["results"]["sft+rl"] == report["results"]["sft+rl"]  # the earlier run's, as it evaluated it
     assert armed["stages"]["rl"]["sampler"] == "dapo" and (tmp_path / "arm" / "eval-sft-rl-dapo.jsonl").exists()
+    assert armed["arm_of"] == str(tmp_path / "run") and "is an arm of" in (tmp_path / "arm" / "report.md").read_text()
+    (tmp_path / "arm-more.yaml").write_text(yaml.safe_dump({**config, "start_from": str(tmp_path / "arm"),
+                                                            "continue_rl": True}))
+    arm_more = CliRunner().invoke(cli, ["pipeline", "--config", str(tmp_path / "arm-more.yaml"),
+                                        "--output", str(tmp_path / "arm-more")])
+    assert arm_more.exit_code == 2 and "is an arm of" in arm_more.output, arm_more.output  # its sft+rl is not its RL
     # RL continued from that run's SFT+RL weights, on RL tasks after the ones it trained on
     (tmp_path / "more.yaml").write_text(yaml.safe_dump({**config, "start_from": str(tmp_path / "run"),
                                                         "continue_rl": True, "rl_tasks": 4}))

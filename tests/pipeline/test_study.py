@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -189,11 +190,11 @@ def test_sft_data_names_its_choices():
         PipelineConfig(output_dir=Path("x"), sft_data="credit_all")
 
 
-def test_an_arm_run_from_a_studys_sft_weights_is_compared_with_its_bar_model_only_when_rl_was_alike(tmp_path):
+def test_an_arm_run_from_a_studys_sft_weights_is_compared_with_its_models_only_when_rl_was_alike(tmp_path):
     from dataclasses import asdict
 
-    from orchard.pipeline.run import PipelineConfig, sibling_models
-    from orchard.pipeline.study import run_study
+    from orchard.pipeline.run import PipelineConfig, arm_of, model_names, sibling_models
+    from orchard.pipeline.study import _finished, run_study
 
     rl = {"steps": 9, "rollout_budget": 64}
     for seed in (0, 1):
@@ -214,12 +215,24 @@ def test_an_arm_run_from_a_studys_sft_weights_is_compared_with_its_bar_model_onl
 
     report = json.loads((tmp_path / "bar" / "seed-0" / "report.json").read_text())
     arm = PipelineConfig(output_dir=tmp_path / "x", rl={**rl, "sampler": "dapo"})
-    assert sibling_models(report, arm, {"sft+rl (dapo)"}) == ["sft+rl", "sft+rl (fixed)"]
-    assert sibling_models(report, arm, {"sft+rl (dapo)", "sft+rl (fixed)"}) == ["sft+rl"]  # its own arms are its own
+    assert model_names(arm, False, 1, report) == ("sft+rl (dapo)", {}, True)
+    assert model_names(arm, False, 1, None) == ("sft+rl", {}, False)  # a run of its own: the recipe's name
+    assert sibling_models(report, {"sft+rl (dapo)"}) == ["sft+rl", "sft+rl (fixed)"]
+    assert sibling_models(report, {"sft+rl (dapo)", "sft+rl (fixed)"}) == ["sft+rl"]  # its own arms are its own
     for unlike in ({"rl": {**rl, "rollout_budget": 128, "sampler": "dapo"}}, {"rl_tasks": 300, "rl": rl},
-                   {"split_seed": 0, "rl": rl}, {"rollout": {"max_turns": 2}, "rl": rl}):
-        assert sibling_models(report, PipelineConfig(output_dir=tmp_path / "x", **unlike), set()) == [], unlike
-    assert sibling_models({**report, "rl_rounds": 2}, arm, set()) == []  # RL continued there: another round
-    assert sibling_models(report, PipelineConfig(output_dir=tmp_path / "x", rl=rl, start_from=tmp_path,
-                                                 continue_rl=True), set()) == []
-    assert sibling_models({"results": report["results"]}, arm, set()) == []  # no config: nothing to check against
+                   {"split_seed": 0, "rl": {**rl, "sampler": "dapo"}}, {"rollout": {"max_turns": 2}, "rl": rl},
+                   {"rl": rl}):  # the last: the same sampler, RL again (longer, or on another machine)
+        assert not arm_of(report, PipelineConfig(output_dir=tmp_path / "x", **unlike)), unlike
+    assert not arm_of({**report, "rl_rounds": 2}, arm)  # RL continued there: another round
+    assert not arm_of({**report, "arm_of": "elsewhere"}, arm)  # an arm's SFT weights are another run's
+    assert not arm_of(report, PipelineConfig(output_dir=tmp_path / "x", rl={**rl, "sampler": "dapo"},
+                                             start_from=tmp_path, continue_rl=True))
+    assert not arm_of({"results": report["results"]}, arm)  # no config: nothing to check against
+    # a finished arm run (a bracketed model, no --ablations) is read back, not run again
+    run = tmp_path / "dapo" / "seed-0"
+    stored = json.loads(json.dumps(asdict(replace(config, seed=0, output_dir=run, start_from=tmp_path / "bar" / "seed-0")),
+                                   default=str))
+    (run / "report.json").write_text(json.dumps({"config": stored, "ablations": False, "arm_of": "bar",
+                                                 "results": {"sft+rl": {}, "sft+rl (dapo)": {}}}))
+    finished = replace(config, seed=0, output_dir=run, start_from=tmp_path / "bar" / "seed-0")
+    assert _finished(finished, ablations=False) is not None and _finished(finished, ablations=True) is None

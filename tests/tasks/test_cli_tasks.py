@@ -32,6 +32,11 @@ def test_generate_writes_the_same_suite_as_the_library(tmp_path):
     assert result.exit_code == 0, result.output
     assert "wrote 10 tasks" in result.output and "3 heldout" in result.output and "7 train" in result.output
     assert load_tasks(out) == generate_suite(10, 4, image, heldout_fraction=0.3)
+    shared = tmp_path / "shared.jsonl"  # a study's split: another seed's held-out variants
+    result = invoke("tasks", "generate", "--n", "10", "--seed", "4", "--image", image, "--out", str(shared),
+                    "--heldout-fraction", "0.3", "--split-seed", "9")
+    assert result.exit_code == 0, result.output
+    assert load_tasks(shared) == generate_suite(10, 4, image, heldout_fraction=0.3, split_seed=9) != load_tasks(out)
 
 
 def test_show_lists_id_family_difficulty_split(tmp_path):
