@@ -93,7 +93,12 @@ class Reconciler:
         # Only sandboxes already created before the listing can be missing from it: one whose
         # slow create ended during the listing is not lost (it was, when creates took longer
         # than lost_grace); the records are read again after it, for orphans and deletes.
-        settled = {r.sandbox.sandbox_id for r in service.store.list_sandboxes() if r.sandbox.status != "pending"}
+        before = service.store.list_sandboxes()
+        settled = {r.sandbox.sandbox_id for r in before if r.sandbox.status != "pending"}
+        # An orphan has no record before the listing nor after it: one whose record went away
+        # in between was deleted meanwhile (by another replica leading before this one, on a
+        # shared store), and deleting it again would be counted as an orphan it never was.
+        recorded_before = {r.sandbox.sandbox_id for r in before}
         try:
             live = {s.sandbox_id: s for s in await asyncio.wait_for(service.backend.list(), settings.list_timeout)}
         except Exception as exc:  # never act on a failed or partial listing
@@ -114,7 +119,8 @@ class Reconciler:
             elif seen.status == "lost":
                 service.mark_lost(record, seen.status_message or "lost")
         for sandbox_id, seen in live.items():
-            if seen.labels.get(OWNER_LABEL) == service.server_id and sandbox_id not in known:
+            if seen.labels.get(OWNER_LABEL) == service.server_id and sandbox_id not in known \
+                    and sandbox_id not in recorded_before:
                 try:
                     await service.backend.delete(sandbox_id)
                     self._count("orphan_deleted", sandbox_id=sandbox_id)

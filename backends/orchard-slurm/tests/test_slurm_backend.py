@@ -204,9 +204,8 @@ def test_min_pilots_are_one_job_array_kept_warm(slurm_cluster):
         assert len(warm) == 2 and len({p.job_id.split("_")[0] for p in warm}) == 1  # one array, two tasks
         assert all("_" in p.job_id for p in warm)
         await asyncio.wait_for(asyncio.gather(*(p.ready.wait() for p in warm)), 60)
-        started = time.monotonic()
         sandboxes = [await backend.create(SandboxSpec()) for _ in range(4)]
-        assert time.monotonic() - started < 3  # no pilot start on the way
+        # no pilot start on the way: the four fit the warm two (a wall-clock bound here failed at load 25)
         assert backend.pool.pilots_submitted == 2 and sorted(len(p.sandboxes) for p in warm) == [2, 2]
         assert (await exec_on(backend, sandboxes[-1].sandbox_id, "echo warm"))["stdout"] == "warm\n"
         for sandbox in sandboxes:
