@@ -213,8 +213,8 @@ class PostgresStore(Store):
                 cursor.executemany("UPDATE sandboxes SET last_seen = greatest(last_seen, %s) WHERE sandbox_id = %s",
                                    [(when, sandbox_id) for sandbox_id, when in last_seen.items()])
 
-    def remove_sandbox(self, sandbox_id: str) -> None:
-        self._run("DELETE FROM sandboxes WHERE sandbox_id = %s", (sandbox_id,))
+    def remove_sandbox(self, sandbox_id: str) -> bool:
+        return self._run("DELETE FROM sandboxes WHERE sandbox_id = %s", (sandbox_id,)).rowcount > 0
 
     def _put_job(self, job_id: str, sandbox_id: str, done: bool, completed_at: Optional[float], text: str) -> None:
         self._run("INSERT INTO jobs VALUES (%s, %s, %s, %s, %s) ON CONFLICT (job_id) DO UPDATE SET "

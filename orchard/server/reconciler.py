@@ -74,8 +74,13 @@ class Reconciler:
                 return  # its store session was cut during the round: another replica may lead now
             if expired and not pending:
                 try:
-                    await service.delete(sandbox.sandbox_id, reason=expired)
-                    self._count("expired", sandbox_id=sandbox.sandbox_id, reason=expired)
+                    # Counted by the one call that removed the record: a replica whose store
+                    # session was cut mid-delete may finish after the next leader reaped it too.
+                    if await service.delete(sandbox.sandbox_id, reason=expired):
+                        self._count("expired", sandbox_id=sandbox.sandbox_id, reason=expired)
+                    else:
+                        log.info("expired sandbox was already deleted", extra={"fields": {
+                            "sandbox_id": sandbox.sandbox_id}})
                 except Exception as exc:
                     log.warning("could not delete expired sandbox", extra={"fields": {
                         "sandbox_id": sandbox.sandbox_id, "error": str(exc)}})

@@ -164,8 +164,7 @@ class ServerService:
                     await self.backend.delete(sandbox_id)
                 except SandboxNotFound:
                     pass
-                self.store.remove_sandbox(sandbox_id)
-                return True
+                return self.store.remove_sandbox(sandbox_id)  # False: another replica dropped it meanwhile
             finally:
                 self.store.release(sandbox_id)
         finally:
@@ -239,7 +238,9 @@ class ServerService:
             found = [s for s in found if s.labels.get(key) == value]
         return found
 
-    async def delete(self, sandbox_id: str, reason: str = "deleted") -> None:
+    async def delete(self, sandbox_id: str, reason: str = "deleted") -> bool:
+        """Delete the sandbox and its record; True if this call removed the record, False if
+        another call (another replica's reconciler, on a shared store) removed it meanwhile."""
         try:
             record: Optional[SandboxRecord] = self.record(sandbox_id)
         except StoreRecordDamaged:  # its sandbox may still run: delete what the id names, and the record
@@ -249,9 +250,11 @@ class ServerService:
                 await self.backend.delete(sandbox_id)
             except SandboxNotFound:
                 pass
-        self.store.remove_sandbox(sandbox_id)
+        removed = self.store.remove_sandbox(sandbox_id)
         self._last_seen.pop(sandbox_id, None)
-        emit_event({"type": "deleted", "sandbox_id": sandbox_id, "time": time.time(), "reason": reason})
+        if removed:
+            emit_event({"type": "deleted", "sandbox_id": sandbox_id, "time": time.time(), "reason": reason})
+        return removed
 
     # -- agents --------------------------------------------------------------------
     async def agent(self, sandbox_id: str) -> ApiClient:

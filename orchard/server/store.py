@@ -12,6 +12,7 @@ import logging
 import secrets
 import sqlite3
 import threading
+import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +27,8 @@ log = logging.getLogger(__name__)
 CHECKPOINT_SECONDS = 0.5
 WAL_KEEP_BYTES = 4 << 20
 WAL_RESTART_BYTES = 64 << 20
+WAL_CHECK_WRITES = 32  # the writer looks at the WAL's size once in this many job writes
+WAL_STALL_SECONDS = 2.0  # and waits at most this long for a checkpoint in flight when it is far too big
 
 
 @dataclass
@@ -95,7 +98,9 @@ class Store(ABC):
         """Record the last call on each sandbox (a batch, written once per reconciler round)."""
 
     @abstractmethod
-    def remove_sandbox(self, sandbox_id: str) -> None: ...
+    def remove_sandbox(self, sandbox_id: str) -> bool:
+        """Whether this call removed the record (False: it was already gone, e.g. removed by
+        another replica on a shared store)."""
 
     @abstractmethod
     def put_job(self, job: Job) -> None: ...
@@ -210,7 +215,8 @@ class _Checkpointer:
     blocks the server's writes, and the WAL restarts from its start once fully copied. Under a
     steady stream of writes it never is (a commit lands during each checkpoint's sync, and the
     WAL grew by about 10 MB/s at 400 writes/s): past ``restart_bytes`` the checkpoint waits for
-    the writer and truncates the WAL, a stall of one sync in that many bytes of writes."""
+    the writer and truncates the WAL, a stall of one sync in that many bytes of writes (and
+    past twice that, the writer truncates it itself: ``SQLiteStore._job_written``)."""
 
     def __init__(self, path: Path, interval: float = CHECKPOINT_SECONDS,
                  restart_bytes: int = WAL_RESTART_BYTES) -> None:
@@ -226,14 +232,14 @@ class _Checkpointer:
             while not self.stopping.wait(self.interval):
                 try:
                     connection.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
-                    if self._wal_size() > self.restart_bytes:
+                    if self.wal_size() > self.restart_bytes:  # after the passive copy: a short stall
                         connection.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
                 except sqlite3.DatabaseError as exc:  # disk full, I/O error: the next round tries again
                     log.warning("state store checkpoint failed: %s", exc)
         finally:
             connection.close()
 
-    def _wal_size(self) -> int:
+    def wal_size(self) -> int:
         try:
             return self.wal.stat().st_size
         except OSError:
@@ -259,6 +265,7 @@ class SQLiteStore(Store):
         self.db.executescript(SCHEMA)
         path.chmod(0o600)
         self.checkpointer = _Checkpointer(path, checkpoint_seconds, wal_restart_bytes)
+        self._job_writes = 0
 
     def server_id(self) -> str:
         row = self.db.execute("SELECT value FROM meta WHERE key='server_id'").fetchone()
@@ -296,18 +303,35 @@ class SQLiteStore(Store):
             self.db.executemany("UPDATE sandboxes SET last_seen=? WHERE sandbox_id=?",
                                 [(when, sandbox_id) for sandbox_id, when in last_seen.items()])
 
-    def remove_sandbox(self, sandbox_id: str) -> None:
-        self.db.execute("DELETE FROM sandboxes WHERE sandbox_id=?", (sandbox_id,))
+    def remove_sandbox(self, sandbox_id: str) -> bool:
+        return self.db.execute("DELETE FROM sandboxes WHERE sandbox_id=?", (sandbox_id,)).rowcount > 0
 
     def put_job(self, job: Job) -> None:
         self.db.execute("INSERT OR REPLACE INTO jobs VALUES (?, ?, ?, ?, ?)",
                         (job.job_id, job.sandbox_id, int(job.done), job.completed_at, job.model_dump_json()))
+        self._job_written()
 
     def put_job_json(self, sandbox_id: str, job_json: bytes) -> None:
         fields = json.loads(job_json)
         done = fields.get("status") in ("succeeded", "failed")
         self.db.execute("INSERT OR REPLACE INTO jobs VALUES (?, ?, ?, ?, ?)",
                         (fields["job_id"], sandbox_id, int(done), fields.get("completed_at"), job_json.decode()))
+        self._job_written()
+
+    def _job_written(self) -> None:
+        """Backpressure when the checkpoint thread falls behind (starved of CPU, the WAL reached
+        62 MB against a 48 MB bound at load 31): past twice ``restart_bytes`` the writer truncates
+        the WAL itself, waiting up to ``WAL_STALL_SECONDS`` for a checkpoint in flight, so writes
+        stall rather than fill the disk."""
+        self._job_writes += 1
+        if self._job_writes % WAL_CHECK_WRITES or self.checkpointer.wal_size() <= 2 * self.checkpointer.restart_bytes:
+            return
+        deadline = time.monotonic() + WAL_STALL_SECONDS
+        try:
+            while self.db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()[0] and time.monotonic() < deadline:
+                time.sleep(0.005)  # the checkpoint thread holds the checkpoint: let it finish
+        except StoreUnavailable as exc:  # disk full: the write itself landed; the next check tries again
+            log.warning("state store checkpoint failed: %s", exc)
 
     def get_job(self, job_id: str) -> Optional[Job]:
         row = self.db.execute("SELECT job_id, job FROM jobs WHERE job_id=?", (job_id,)).fetchone()

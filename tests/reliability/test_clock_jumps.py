@@ -17,28 +17,9 @@ from orchard.server.observability import Metrics
 from orchard.server.reconciler import Reconciler
 from orchard.server.service import OWNER_LABEL, ServerService
 from orchard.server.store import SandboxRecord, SQLiteStore
+from tests.listing_backend import ListingBackend
 
 DAY = 86400.0
-
-
-class ListingBackend:
-    """Just enough of a backend for the reconciler: it has what the store has."""
-
-    name = "fake"
-
-    def __init__(self) -> None:
-        self.live: dict[str, Sandbox] = {}
-        self.deleted: list[str] = []
-
-    async def maintain(self) -> None:
-        return None
-
-    async def list(self) -> list[Sandbox]:
-        return list(self.live.values())
-
-    async def delete(self, sandbox_id: str) -> None:
-        self.deleted.append(sandbox_id)
-        self.live.pop(sandbox_id, None)
 
 
 def make(tmp_path: Path, ttl: float):

@@ -89,6 +89,30 @@ def test_a_steady_stream_of_writes_cannot_grow_the_wal_without_bound(tmp_path: P
     assert largest <= 12 * WAL_KEEP_BYTES, largest  # 48 MB; 13-26 MB seen with the fix, 120 MB without
 
 
+def test_the_wal_stays_bounded_when_the_checkpoint_thread_never_runs(tmp_path: Path):
+    """The checkpoint thread starved of CPU (at load 31 the WAL reached 62 MB past the bound
+    above): the writer itself truncates the WAL past twice the restart size, so the bound
+    holds whatever the scheduling; here the thread's first round is an hour away."""
+    from orchard.server.store import WAL_CHECK_WRITES
+
+    db, wal = tmp_path / "server.db", tmp_path / "server.db-wal"
+    restart = 2 * WAL_KEEP_BYTES
+    store = SQLiteStore(db, checkpoint_seconds=3600, wal_restart_bytes=restart)
+    largest = truncated = 0
+    try:
+        for n in range(3000):  # about 60 MB of WAL
+            before = wal.stat().st_size if wal.exists() else 0
+            store.put_job_json("sb", _job(n))
+            size = wal.stat().st_size
+            largest, truncated = max(largest, size), truncated + (size < before)
+        assert store.get_job("job-002999") is not None and store.get_job("job-000000") is not None
+    finally:
+        store.close()
+    per_write = 64 << 10  # a job record and its pages, generously
+    assert largest <= 2 * restart + WAL_CHECK_WRITES * per_write, largest
+    assert truncated >= 2, truncated  # it did restart, more than once
+
+
 def test_a_record_that_is_not_utf8_fails_alone_and_a_bad_state_path_is_a_typed_error(tmp_path: Path):
     """One flipped high bit in a record's JSON: SQLite hands back text that is not UTF-8. Only
     that record is damaged (StoreRecordDamaged, skipped in listings); the statement reading it,
