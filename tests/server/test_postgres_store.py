@@ -78,8 +78,9 @@ def test_records_round_trip_like_the_sqlite_store(database):
     store.touch_many({"a": 3.0, "b": 9.0})
     assert store.get_sandbox("a").last_seen == 5.0  # never moved back by a slower replica
     assert store.get_sandbox("b").last_seen == 9.0
-    store.remove_sandbox("c")
+    assert store.remove_sandbox("c") is True
     assert store.get_sandbox("c") is None
+    assert store.remove_sandbox("c") is False  # already gone: the replica that removed it counts it
     queued = Job(job_id="j1", sandbox_id="a", command="true", status="queued", created_at=1.0)
     store.put_job(queued)
     assert [j.job_id for j in store.unfinished_jobs("a")] == ["j1"]
