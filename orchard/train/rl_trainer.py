@@ -38,6 +38,22 @@ from orchard.train.rl_config import RLConfig
 from orchard.train.weight_sync import SharedModel, WeightSync
 
 
+def aborted_causes(pool: Sequence[RolloutSample]) -> dict[str, Any]:
+    """Why a step's rollouts were aborted (error type -> count) and one message of each type,
+    so a step that lost rollouts says whether the sandbox was lost, the agent unreachable or
+    the call timed out (nothing, when none was aborted)."""
+    aborted = [s for s in pool if s.status.value == "aborted"]
+    if not aborted:
+        return {}
+    causes: dict[str, int] = {}
+    examples: dict[str, str] = {}
+    for sample in aborted:
+        kind = sample.error_type or "unknown"
+        causes[kind] = causes.get(kind, 0) + 1
+        examples.setdefault(kind, (sample.error or "")[:300])
+    return {"sandbox_error_causes": causes, "sandbox_error_examples": examples}
+
+
 class TaskLoader:
     """Tasks in a seeded order, reshuffled each epoch; its position goes into checkpoints."""
 
@@ -227,6 +243,7 @@ class RLTrainer:
             "fallback_rate": sum(s.fallback is not None for s in selections) / max(len(selections), 1),
             "informative_groups": sum(s.informative for s in selections if s.group),
             "sandbox_errors": sum(s.status.value == "aborted" for s in pool),
+            **aborted_causes(pool),
             "timed_out": sum(s.status.value == "timed_out" for s in pool),
             "rollout_seconds": round(rollout_seconds, 3), "train_seconds": round(train_seconds, 3), **stats,
             **memory_mb(),

@@ -114,6 +114,11 @@ def test_a_sandbox_killed_mid_training_is_counted_and_replaced(orchard_backend_s
                             steps=2)
     assert [r["step"] for r in records] == [1, 2]
     assert all(r["sandbox_errors"] >= 1 for r in records), records
+    for record in records:  # the cause is kept: which error, how often, and what it said
+        assert sum(record["sandbox_error_causes"].values()) == record["sandbox_errors"], record
+        assert set(record["sandbox_error_examples"]) == set(record["sandbox_error_causes"]), record
+        assert set(record["sandbox_error_causes"]) == {"sandbox_lost"}, record
+        assert "holder exited" in record["sandbox_error_examples"]["sandbox_lost"], record
     assert all(r["samples"] == 4 for r in records), "every group was filled with valid rollouts in their place"
 
 
