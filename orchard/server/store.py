@@ -27,8 +27,9 @@ log = logging.getLogger(__name__)
 CHECKPOINT_SECONDS = 0.5
 WAL_KEEP_BYTES = 4 << 20
 WAL_RESTART_BYTES = 64 << 20
-WAL_CHECK_WRITES = 32  # the writer looks at the WAL's size once in this many job writes
-WAL_STALL_SECONDS = 2.0  # and waits at most this long for a checkpoint in flight when it is far too big
+WAL_CHECK_WRITES = 32  # the writer looks at the WAL's size once in this many writes
+WAL_STALL_SECONDS = 1.0  # and waits at most this long for the checkpoint thread's copy to end
+CHECKPOINT_BUSY_SECONDS = 0.25  # how long the thread's truncation waits for the writer or a reader
 
 
 @dataclass
@@ -216,7 +217,7 @@ class _Checkpointer:
     steady stream of writes it never is (a commit lands during each checkpoint's sync, and the
     WAL grew by about 10 MB/s at 400 writes/s): past ``restart_bytes`` the checkpoint waits for
     the writer and truncates the WAL, a stall of one sync in that many bytes of writes (and
-    past twice that, the writer truncates it itself: ``SQLiteStore._job_written``)."""
+    past twice that, the writer truncates it itself: ``SQLiteStore._written``)."""
 
     def __init__(self, path: Path, interval: float = CHECKPOINT_SECONDS,
                  restart_bytes: int = WAL_RESTART_BYTES) -> None:
@@ -227,7 +228,8 @@ class _Checkpointer:
         self.thread.start()
 
     def _run(self) -> None:
-        connection = sqlite3.connect(str(self.path), isolation_level=None, check_same_thread=False)
+        connection = sqlite3.connect(str(self.path), timeout=CHECKPOINT_BUSY_SECONDS, isolation_level=None,
+                                     check_same_thread=False)
         try:
             while not self.stopping.wait(self.interval):
                 try:
@@ -265,7 +267,8 @@ class SQLiteStore(Store):
         self.db.executescript(SCHEMA)
         path.chmod(0o600)
         self.checkpointer = _Checkpointer(path, checkpoint_seconds, wal_restart_bytes)
-        self._job_writes = 0
+        self._busy_timeout_ms = self.db.execute("PRAGMA busy_timeout").fetchone()[0]
+        self._writes = 0
 
     def server_id(self) -> str:
         row = self.db.execute("SELECT value FROM meta WHERE key='server_id'").fetchone()
@@ -279,6 +282,7 @@ class SQLiteStore(Store):
         self.db.execute("INSERT OR REPLACE INTO sandboxes VALUES (?, ?, ?, ?)",
                         (record.sandbox.sandbox_id, record.spec.model_dump_json(), record.sandbox.model_dump_json(),
                          record.last_seen))
+        self._written()
 
     @staticmethod
     def _record(row: Iterable) -> SandboxRecord:
@@ -302,34 +306,46 @@ class SQLiteStore(Store):
         if last_seen:
             self.db.executemany("UPDATE sandboxes SET last_seen=? WHERE sandbox_id=?",
                                 [(when, sandbox_id) for sandbox_id, when in last_seen.items()])
+            self._written()
 
     def remove_sandbox(self, sandbox_id: str) -> bool:
-        return self.db.execute("DELETE FROM sandboxes WHERE sandbox_id=?", (sandbox_id,)).rowcount > 0
+        removed = self.db.execute("DELETE FROM sandboxes WHERE sandbox_id=?", (sandbox_id,)).rowcount > 0
+        self._written()
+        return removed
 
     def put_job(self, job: Job) -> None:
         self.db.execute("INSERT OR REPLACE INTO jobs VALUES (?, ?, ?, ?, ?)",
                         (job.job_id, job.sandbox_id, int(job.done), job.completed_at, job.model_dump_json()))
-        self._job_written()
+        self._written()
 
     def put_job_json(self, sandbox_id: str, job_json: bytes) -> None:
         fields = json.loads(job_json)
         done = fields.get("status") in ("succeeded", "failed")
         self.db.execute("INSERT OR REPLACE INTO jobs VALUES (?, ?, ?, ?, ?)",
                         (fields["job_id"], sandbox_id, int(done), fields.get("completed_at"), job_json.decode()))
-        self._job_written()
+        self._written()
 
-    def _job_written(self) -> None:
+    def _written(self) -> None:
         """Backpressure when the checkpoint thread falls behind (starved of CPU, the WAL reached
-        62 MB against a 48 MB bound at load 31): past twice ``restart_bytes`` the writer truncates
-        the WAL itself, waiting up to ``WAL_STALL_SECONDS`` for a checkpoint in flight, so writes
-        stall rather than fill the disk."""
-        self._job_writes += 1
-        if self._job_writes % WAL_CHECK_WRITES or self.checkpointer.wal_size() <= 2 * self.checkpointer.restart_bytes:
+        62 MB against a 48 MB bound at load 31): once in ``WAL_CHECK_WRITES`` writes, past twice
+        ``restart_bytes``, the writer truncates the WAL itself. While the thread's own copy is
+        in flight it waits for it, at most ``WAL_STALL_SECONDS`` (one sync, and at most
+        ``CHECKPOINT_BUSY_SECONDS`` of the thread waiting for readers); a reader holding an old
+        snapshot makes it give up at once, since no truncation can pass that reader."""
+        self._writes += 1
+        if self._writes % WAL_CHECK_WRITES or self.checkpointer.wal_size() <= 2 * self.checkpointer.restart_bytes:
             return
         deadline = time.monotonic() + WAL_STALL_SECONDS
         try:
-            while self.db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()[0] and time.monotonic() < deadline:
-                time.sleep(0.005)  # the checkpoint thread holds the checkpoint: let it finish
+            self.db.execute("PRAGMA busy_timeout=0")
+            try:
+                while True:
+                    busy, wal_frames, _ = self.db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
+                    if not busy or wal_frames >= 0 or time.monotonic() > deadline:
+                        break  # done, or a reader holds the WAL (-1 frames: another checkpoint has it)
+                    time.sleep(0.005)
+            finally:
+                self.db.execute(f"PRAGMA busy_timeout={self._busy_timeout_ms}")
         except StoreUnavailable as exc:  # disk full: the write itself landed; the next check tries again
             log.warning("state store checkpoint failed: %s", exc)
 
@@ -342,7 +358,9 @@ class SQLiteStore(Store):
         return readable(rows, job_record)
 
     def purge_jobs(self, finished_before: float) -> int:
-        return self.db.execute("DELETE FROM jobs WHERE done=1 AND completed_at < ?", (finished_before,)).rowcount
+        purged = self.db.execute("DELETE FROM jobs WHERE done=1 AND completed_at < ?", (finished_before,)).rowcount
+        self._written()
+        return purged
 
     def close(self) -> None:
         self.checkpointer.stop()
