@@ -9,14 +9,16 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import os
 import secrets
 import sqlite3
 import threading
 import time
 from abc import ABC, abstractmethod
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Optional, TypeVar
+from typing import Any, Callable, Iterable, Iterator, Optional, TypeVar
 
 from pydantic import ValidationError
 
@@ -27,8 +29,8 @@ log = logging.getLogger(__name__)
 CHECKPOINT_SECONDS = 0.5
 WAL_KEEP_BYTES = 4 << 20
 WAL_RESTART_BYTES = 64 << 20
-WAL_CHECK_WRITES = 32  # the writer looks at the WAL's size once in this many writes
-WAL_STALL_SECONDS = 1.0  # and waits at most this long for the checkpoint thread's copy to end
+WAL_STALL_SECONDS = 1.0  # the writer's own truncation waits at most this long for the thread's copy
+WAL_STALL_COOLDOWN_SECONDS = 10.0  # and after a wait that ran out, does not wait again for this long
 CHECKPOINT_BUSY_SECONDS = 0.25  # how long the thread's truncation waits for the writer or a reader
 
 
@@ -189,9 +191,9 @@ class _Database:
     are the typed, retryable StoreUnavailable: each statement is its own transaction, so a
     failed one changed nothing, and the caller hears a 503 instead of a 500 and a dropped connection."""
 
-    def __init__(self, path: Path) -> None:
-        self.connection = _guarded(functools.partial(sqlite3.connect, isolation_level=None, check_same_thread=False),
-                                   str(path))
+    def __init__(self, path: Path, busy_seconds: float = 5.0) -> None:
+        self.connection = _guarded(functools.partial(sqlite3.connect, timeout=busy_seconds, isolation_level=None,
+                                                     check_same_thread=False), str(path))
         self.connection.text_factory = _text
 
     def execute(self, *args: object) -> _Rows:
@@ -203,8 +205,29 @@ class _Database:
     def executescript(self, script: str) -> _Rows:
         return _Rows(_guarded(self.connection.executescript, script))
 
+    @contextmanager
+    def transaction(self) -> Iterator[None]:
+        """Several statements as one commit (one WAL append instead of one per statement);
+        if any of them, or the commit, fails, none of them is kept."""
+        self.execute("BEGIN IMMEDIATE")
+        try:
+            yield
+            self.execute("COMMIT")
+        except BaseException:
+            if self.connection.in_transaction:
+                with suppress(sqlite3.Error):  # the first error is the one to report
+                    self.connection.rollback()
+            raise
+
     def close(self) -> None:
         self.connection.close()
+
+
+def _size(path: str) -> int:
+    try:
+        return os.stat(path).st_size
+    except OSError:
+        return 0
 
 
 class _Checkpointer:
@@ -217,12 +240,16 @@ class _Checkpointer:
     steady stream of writes it never is (a commit lands during each checkpoint's sync, and the
     WAL grew by about 10 MB/s at 400 writes/s): past ``restart_bytes`` the checkpoint waits for
     the writer and truncates the WAL, a stall of one sync in that many bytes of writes (and
-    past twice that, the writer truncates it itself: ``SQLiteStore._written``)."""
+    past twice that, the writer truncates it itself: ``_WalLimit``). A reader holding an old
+    snapshot fails that truncation only after ``CHECKPOINT_BUSY_SECONDS``, which the writer
+    waits through; so after one such failure the thread truncates again only once a passive
+    checkpoint has copied every frame, i.e. once no reader pins the WAL."""
 
     def __init__(self, path: Path, interval: float = CHECKPOINT_SECONDS,
                  restart_bytes: int = WAL_RESTART_BYTES) -> None:
         self.path, self.interval, self.restart_bytes = path, interval, restart_bytes
-        self.wal = Path(f"{path}-wal")
+        self.wal = f"{path}-wal"
+        self.pinned = False  # the last truncation failed: a reader (or the writer) held on
         self.stopping = threading.Event()
         self.thread = threading.Thread(target=self._run, name="orchard-sqlite-checkpoint", daemon=True)
         self.thread.start()
@@ -233,23 +260,60 @@ class _Checkpointer:
         try:
             while not self.stopping.wait(self.interval):
                 try:
-                    connection.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
-                    if self.wal_size() > self.restart_bytes:  # after the passive copy: a short stall
-                        connection.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
+                    self.round(connection)
                 except sqlite3.DatabaseError as exc:  # disk full, I/O error: the next round tries again
                     log.warning("state store checkpoint failed: %s", exc)
         finally:
             connection.close()
 
-    def wal_size(self) -> int:
-        try:
-            return self.wal.stat().st_size
-        except OSError:
-            return 0
+    def round(self, connection: sqlite3.Connection) -> None:
+        _, frames, copied = connection.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
+        self.pinned = self.pinned and copied < frames
+        if not self.pinned and _size(self.wal) > self.restart_bytes:  # after the passive copy: a short stall
+            busy, _, _ = connection.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
+            self.pinned = bool(busy)
 
     def stop(self) -> None:
         self.stopping.set()
         self.thread.join(30)
+
+
+class _WalLimit:
+    """Backpressure for when the checkpoint thread falls behind (starved of CPU, the WAL
+    reached 62 MB against a 48 MB bound at load 31): after any write that leaves the WAL past
+    ``limit_bytes``, the writer truncates it itself, on a connection of its own that never
+    waits for a lock. While the thread's copy is in flight it retries, for at most
+    ``WAL_STALL_SECONDS``; a wait that runs out (a thread descheduled mid-copy, a slow disk)
+    makes the next ``WAL_STALL_COOLDOWN_SECONDS`` try once each and move on, so the writer
+    spends at most about a tenth of its time here. A reader holding an old snapshot makes it
+    give up at once, since no truncation can pass that reader."""
+
+    def __init__(self, path: Path, limit_bytes: int) -> None:
+        self.wal, self.limit_bytes = f"{path}-wal", limit_bytes
+        self.db = _Database(path, busy_seconds=0)
+        self.patient_from = 0.0  # the monotonic time from which a wait is allowed again
+
+    def written(self) -> None:
+        if _size(self.wal) <= self.limit_bytes:
+            return
+        began = time.monotonic()
+        patient = began >= self.patient_from
+        deadline = began + (WAL_STALL_SECONDS if patient else 0.0)
+        try:
+            while True:
+                busy, frames, _ = self.db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
+                if not busy or frames >= 0:
+                    return  # done, or a reader holds the WAL (-1 frames: another checkpoint has it)
+                if time.monotonic() >= deadline:
+                    break
+                time.sleep(0.005)
+            if patient:
+                self.patient_from = time.monotonic() + WAL_STALL_COOLDOWN_SECONDS
+        except StoreUnavailable as exc:  # disk full: the write itself landed; the next one tries again
+            log.warning("state store checkpoint failed: %s", exc)
+
+    def close(self) -> None:
+        self.db.close()
 
 
 class SQLiteStore(Store):
@@ -267,8 +331,7 @@ class SQLiteStore(Store):
         self.db.executescript(SCHEMA)
         path.chmod(0o600)
         self.checkpointer = _Checkpointer(path, checkpoint_seconds, wal_restart_bytes)
-        self._busy_timeout_ms = self.db.execute("PRAGMA busy_timeout").fetchone()[0]
-        self._writes = 0
+        self.wal_limit = _WalLimit(path, 2 * wal_restart_bytes)
 
     def server_id(self) -> str:
         row = self.db.execute("SELECT value FROM meta WHERE key='server_id'").fetchone()
@@ -284,15 +347,6 @@ class SQLiteStore(Store):
                          record.last_seen))
         self._written()
 
-    @staticmethod
-    def _record(row: Iterable) -> SandboxRecord:
-        spec, sandbox, last_seen = row
-        try:
-            parsed = SandboxSpec.model_validate_json(spec)
-        except ValidationError:  # stored under older, looser rules: keep it readable and deletable
-            parsed = SandboxSpec.model_construct(**json.loads(spec))
-        return SandboxRecord(parsed, Sandbox.model_validate_json(sandbox), last_seen)
-
     def get_sandbox(self, sandbox_id: str) -> Optional[SandboxRecord]:
         row = self.db.execute("SELECT sandbox_id, spec, sandbox, last_seen FROM sandboxes WHERE sandbox_id=?",
                               (sandbox_id,)).fetchone()
@@ -304,8 +358,9 @@ class SQLiteStore(Store):
 
     def touch_many(self, last_seen: dict[str, float]) -> None:
         if last_seen:
-            self.db.executemany("UPDATE sandboxes SET last_seen=? WHERE sandbox_id=?",
-                                [(when, sandbox_id) for sandbox_id, when in last_seen.items()])
+            with self.db.transaction():  # one commit: alone, each row's page was a WAL frame (3.7 MiB for 1,000)
+                self.db.executemany("UPDATE sandboxes SET last_seen=? WHERE sandbox_id=?",
+                                    [(when, sandbox_id) for sandbox_id, when in last_seen.items()])
             self._written()
 
     def remove_sandbox(self, sandbox_id: str) -> bool:
@@ -326,28 +381,7 @@ class SQLiteStore(Store):
         self._written()
 
     def _written(self) -> None:
-        """Backpressure when the checkpoint thread falls behind (starved of CPU, the WAL reached
-        62 MB against a 48 MB bound at load 31): once in ``WAL_CHECK_WRITES`` writes, past twice
-        ``restart_bytes``, the writer truncates the WAL itself. While the thread's own copy is
-        in flight it waits for it, at most ``WAL_STALL_SECONDS`` (one sync, and at most
-        ``CHECKPOINT_BUSY_SECONDS`` of the thread waiting for readers); a reader holding an old
-        snapshot makes it give up at once, since no truncation can pass that reader."""
-        self._writes += 1
-        if self._writes % WAL_CHECK_WRITES or self.checkpointer.wal_size() <= 2 * self.checkpointer.restart_bytes:
-            return
-        deadline = time.monotonic() + WAL_STALL_SECONDS
-        try:
-            self.db.execute("PRAGMA busy_timeout=0")
-            try:
-                while True:
-                    busy, wal_frames, _ = self.db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
-                    if not busy or wal_frames >= 0 or time.monotonic() > deadline:
-                        break  # done, or a reader holds the WAL (-1 frames: another checkpoint has it)
-                    time.sleep(0.005)
-            finally:
-                self.db.execute(f"PRAGMA busy_timeout={self._busy_timeout_ms}")
-        except StoreUnavailable as exc:  # disk full: the write itself landed; the next check tries again
-            log.warning("state store checkpoint failed: %s", exc)
+        self.wal_limit.written()
 
     def get_job(self, job_id: str) -> Optional[Job]:
         row = self.db.execute("SELECT job_id, job FROM jobs WHERE job_id=?", (job_id,)).fetchone()
@@ -364,5 +398,6 @@ class SQLiteStore(Store):
 
     def close(self) -> None:
         self.checkpointer.stop()
+        self.wal_limit.close()
         self.db.close()  # the last connection to close checkpoints what is left
 
