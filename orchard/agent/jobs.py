@@ -170,9 +170,18 @@ class JobRunner:
             spawner = runtime.spawner(sandbox)
             if spawner is not None:  # forked by the sandbox's holder: no exec, no setns
                 try:
+                    plain = (placement.shell == "bash" and not request.login_shell and not request.env
+                             and request.stdin is None)  # what a prestarted bash runs as bash -c would
                     spawned = await spawner.spawn(
-                        command, env, cwd, (stdin_fd if stdin_fd >= 0 else _dev_null(), record.stdout.fd, record.stderr.fd))
+                        command, env, cwd, (stdin_fd if stdin_fd >= 0 else _dev_null(), record.stdout.fd, record.stderr.fd),
+                        shell_command=request.command_text() if plain else None)
                     job_cgroup = spawned.cgroup
+                    if spawned.shell is not None:  # it wrote to the files it was started with
+                        record.stdout.close()
+                        record.stderr.close()
+                        record.stdout = SpoolFile("stdout", self.max_output_bytes, spawned.shell.stdout)
+                        record.stderr = SpoolFile("stderr", self.max_output_bytes, spawned.shell.stderr)
+                        mark = spawned.shell.mark
                 except SpawnerUnavailable as exc:
                     log.warning("sandbox %s: %s; running the command through orchard-enter", sandbox.sandbox_id, exc)
                     for spool in (record.stdout, record.stderr):  # drop what a failed start wrote

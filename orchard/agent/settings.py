@@ -83,6 +83,10 @@ class AgentSettings(BaseModel):
     spawner: bool = Field(True, description="bwrap sandboxes: the holder forks commands itself (no orchard-enter "
                           "exec and namespace entry per command; see orchard/agent/spawner.py); commands fall back to "
                           "orchard-enter whenever the spawner does not answer")
+    prestart_shell: bool = Field(True, description="with the spawner, where the sandbox's shell is bash: the next "
+                                 "command's bash is started ahead and waits for it (bash's start, about 1 ms, off the "
+                                 "command's path). It runs the command through eval: a syntax error reads 'bash: eval: "
+                                 "line N:' instead of 'bash: -c: line N:'; off runs each command as a fresh bash -c")
     cgroups_below_own: bool = Field(False, description="make sandbox cgroups below the agent's own (cgroup v1), so "
                                     "limits on the agent's cgroup, such as a Slurm job's, bound its sandboxes too")
 

@@ -7,6 +7,13 @@ moves itself skips the kernel's global threadgroup lock; the agent writing the c
 would wait for an RCU grace period, about 10 ms, before the next command could start.) Starting a command is then one message to
 that child (the command, its environment and stdio) and its one-byte acknowledgement.
 
+Where the sandbox's shell is bash, the prepared child goes one step further: it execs
+``bash`` at once (``SHELL_WRAPPER``), with the next job's output files, and that bash
+waits for its command; starting a command is then writing it and closing a pipe, with
+bash's own start (about 1 ms of a 2 ms ``true``) already behind it. The command runs as
+``bash -c`` would run it, through ``eval`` (what differs is listed at ``SHELL_WRAPPER``);
+a request with its own environment, stdin or a login shell takes the step above instead.
+
 The holder (``orchard-enter --hold --spawner FD``, see ``runtimes/enter_spawner.c``) is
 PID 1 of the sandbox, already in its root, with its uid, no capabilities and its seccomp
 filter. The agent keeps the other end of a socket pair made before the holder started, so
@@ -42,6 +49,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
 from orchard.agent.cgroups import members
+from orchard.agent.process_marks import MARK, new_mark
 
 if TYPE_CHECKING:
     from orchard.agent.cgroups import SandboxCgroup
@@ -54,6 +62,22 @@ START_TIMEOUT = 2.0  # seconds for the holder to fork and the child to say who i
 REPORT_GRACE = 2.0  # seconds between the command's end (pidfd) and the holder's report
 DEATH_GRACE = 0.1  # seconds for a child missing from its group to show it died (not lied)
 _UCRED = struct.Struct("iII")
+
+# What a prestarted bash runs (``bash -c SHELL_WRAPPER bash``): wait until the agent closes
+# the pipe on descriptor 3, read "CWD\0COMMAND\0" from the memfd on 4 (a file: bash reads it
+# in blocks, not a byte per call as from a pipe), enter CWD, drop both descriptors and what
+# its start set differently from a fresh ``bash -c`` (OLDPWD, SECONDS, ``$_``), and run the
+# command with ``eval``. Checked the same as ``bash -c``: $0, $#, $_, $-, $LINENO, FUNCNAME,
+# BASH_SOURCE, BASH_EXECUTION_STRING, PWD and OLDPWD, SECONDS, SHLVL, exit codes, traps,
+# ``return`` and ``exit``, "command not found", the open descriptors, no variable of its
+# own left. What differs: a syntax error reads ``bash: eval: line N:`` where ``bash -c``
+# says ``bash: -c: line N:`` (exit code 2 either way), and the process's command line
+# (``ps``) shows this wrapper. One line: $LINENO inside counts from the command's own start.
+SHELL_WRAPPER = (
+    'read -r -u 3 c; IFS= read -r -d "" -u 4 c && builtin cd -P -- "$c" 2>/dev/null'
+    ' || { builtin printf "orchard-enter: chdir %s: cannot enter it\\n" "$c" >&2; exit 125; };'
+    ' IFS= read -r -d "" -u 4 c; exec 3<&- 4<&-; unset OLDPWD; declare -x OLDPWD; SECONDS=0;'
+    ' BASH_EXECUTION_STRING=$c; unset c; : "$0"; eval "$BASH_EXECUTION_STRING"')
 
 
 class SpawnerUnavailable(Exception):
@@ -71,6 +95,7 @@ class Spawned:
     exited: "asyncio.Future[int]"
     loop: asyncio.AbstractEventLoop
     cgroup: Optional[Path] = None  # the job's cgroup (v1: a child of the pids group) it was put in
+    shell: "Optional[ShellStart]" = None  # set when a prestarted bash ran the command
 
     def alive(self) -> bool:
         try:
@@ -107,6 +132,20 @@ class Spawned:
             self.pidfd = -1
 
 
+def _stopped(pid: int) -> bool:
+    """Whether ``pid`` is stopped (a stopped process takes no command and reports nothing)."""
+    try:  # opened each time: a descriptor per sandbox would count against the agent's limit
+        fd = os.open(f"/proc/{pid}/stat", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:  # gone: its end tells
+        return False
+    try:
+        return os.read(fd, 512).rpartition(b")")[2][1:2] in (b"T", b"t")
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
 def pid_namespace(pid: int) -> tuple[int, int]:
     st = os.stat(f"/proc/{pid}/ns/pid")
     return st.st_dev, st.st_ino
@@ -118,16 +157,59 @@ def socket_pair() -> tuple[socket.socket, socket.socket]:
 
 
 @dataclass
+class ShellStart:
+    """What a prestarted bash was started with, and so what its command's job inherits."""
+
+    stdout: int  # memfds it writes its output to: the job's spool files
+    stderr: int
+    mark: str  # its environment's job mark (``process_marks``)
+
+    def close(self) -> None:
+        for fd in (self.stdout, self.stderr):
+            os.close(fd)
+
+
+@dataclass
+class _WaitingShell:
+    """A prestarted bash waiting for its command (``SHELL_WRAPPER``)."""
+
+    go: int  # the write end of the pipe on its descriptor 3: closing it starts the command
+    text: int  # the memfd on its descriptor 4, for "CWD\0COMMAND\0"
+    start: ShellStart
+
+    def close(self) -> None:
+        for fd in (self.go, self.text):
+            if fd >= 0:
+                os.close(fd)
+        self.go = self.text = -1
+
+
+@dataclass
 class _Prepared:
-    """A child forked ahead of its command: verified, in its job's cgroup, waiting on ``ctl``."""
+    """A child forked ahead of its command: verified, in its job's cgroup, waiting on ``ctl``
+    (or, with ``shell``, already bash, waiting for its command)."""
 
     spawned: Spawned
     ctl: socket.socket
+    shell: Optional[_WaitingShell] = None
 
     def discard(self) -> None:
         self.spawned.kill()
         self.spawned.close()
         self.ctl.close()
+        if self.shell is not None:
+            self.shell.close()
+            self.shell.start.close()
+
+
+def _shell_text(cwd: str, command: str) -> bytes:
+    """What a prestarted bash reads: "CWD\0COMMAND\0"."""
+    if "\0" in command or "\0" in cwd:
+        raise SpawnerUnavailable("a NUL byte in the command")
+    text = f"{cwd}\0{command}\0".encode(errors="surrogateescape")
+    if len(text) > PAYLOAD_MAX:  # what a plain child takes too: longer ones go through orchard-enter
+        raise SpawnerUnavailable("request too long for the spawner")
+    return text
 
 
 def _encoded(argv: list[str], env: dict[str, str], cwd: str) -> bytes:
@@ -143,11 +225,16 @@ def _encoded(argv: list[str], env: dict[str, str], cwd: str) -> bytes:
 class SpawnerClient:
     """The agent's end of one holder's spawner socket."""
 
-    def __init__(self, sock: socket.socket, holder_pid: int, cgroup: "Optional[SandboxCgroup]" = None) -> None:
+    def __init__(self, sock: socket.socket, holder_pid: int, cgroup: "Optional[SandboxCgroup]" = None,
+                 shell_env: Optional[dict[str, str]] = None) -> None:
+        """``shell_env``: the environment of the sandbox's commands where its shell is bash;
+        then the prepared process is a prestarted bash (``SHELL_WRAPPER``)."""
         self.sock = sock
+        self.shell_env = shell_env
+        self._shell_next = shell_env is not None  # what the next prepared process is: follows the last request
         self.sock.setblocking(False)
         self.namespace = pid_namespace(holder_pid)  # the sandbox's: the holder is its PID 1
-        self._holder_stat = f"/proc/{holder_pid}/stat"
+        self._holder_pid = holder_pid
         self.cgroup = cgroup
         self.alive = True  # takes new commands; False once retired or closed (then: orchard-enter)
         self._reading = True
@@ -248,10 +335,13 @@ class SpawnerClient:
             pid = await self._hello(ours, exited)
             spawned = self._verified(pid, exited)
             spawned.cgroup = job_cgroup
+            shell: Optional[_WaitingShell] = None
             try:
                 if job_cgroup is not None:
                     await self._place(ours, spawned, job_cgroup)
                 signal.pidfd_send_signal(spawned.pidfd, 0)  # still the same process
+                if self._shell_next and self.shell_env is not None:
+                    shell = await self._start_shell(ours, spawned, self.shell_env)
             except BaseException as exc:
                 spawned.kill()  # before the group is released: a killed child starts no join (one in flight may land; its group then reads busy, or is killed with it)
                 spawned.close()
@@ -267,7 +357,48 @@ class SpawnerClient:
             ours.close()
             raise
         self._watch_end(spawned)
-        return _Prepared(spawned, ours)
+        if shell is not None:
+            ours.close()  # the shell's end closed as it started: one descriptor less per idle sandbox
+        return _Prepared(spawned, ours, shell)
+
+    async def _start_shell(self, ctl: socket.socket, spawned: Spawned, env: dict[str, str]) -> _WaitingShell:
+        """Have the prepared child exec the waiting bash, with the next job's output files."""
+        mark = new_mark()
+        payload = _encoded(["bash", "-c", SHELL_WRAPPER, "bash"], {**env, MARK: mark}, "/")
+        made: list[int] = []
+        try:  # out of descriptors (EMFILE): the command runs the plain way, or through orchard-enter
+            for _ in range(3):
+                made.append(os.memfd_create("spawner", os.MFD_CLOEXEC))
+            made.extend(os.pipe2(os.O_CLOEXEC))
+            made.append(os.open("/dev/null", os.O_RDONLY | os.O_CLOEXEC))
+        except OSError as exc:
+            for fd in made:
+                os.close(fd)
+            raise SpawnerUnavailable(f"no descriptors for a prestarted shell: {exc}") from None
+        stdout, stderr, text, read_end, go, null = made
+        start = ShellStart(stdout, stderr, mark)
+        shell = _WaitingShell(go, text, start)
+        try:
+            try:
+                ctl.sendmsg([payload], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
+                                         array.array("i", [null, start.stdout, start.stderr, read_end, shell.text]))])
+            except OSError as exc:
+                raise SpawnerUnavailable(f"the prepared process is gone: {exc}") from None
+            finally:
+                os.close(null)
+                os.close(read_end)
+            taken = await self._readable(ctl, spawned.exited)
+            try:
+                acknowledged = taken and ctl.recv(1) == b"x"
+            except OSError:
+                acknowledged = False
+            if not acknowledged:
+                raise SpawnerUnavailable("the prepared process did not start its shell")
+        except BaseException:
+            shell.close()
+            start.close()
+            raise
+        return shell
 
     async def _place(self, ctl: socket.socket, spawned: Spawned, job_cgroup: Path) -> None:
         """Hand the prepared child its job group's ``tasks`` file; it writes "0" there (moving
@@ -359,8 +490,8 @@ class SpawnerClient:
             finally:
                 if self._next is task and task.done():
                     self._next = None
-            if prepared.spawned.exited.done() or not prepared.spawned.alive():
-                prepared.discard()
+            if prepared.spawned.exited.done() or not prepared.spawned.alive() or _stopped(prepared.spawned.pid):
+                prepared.discard()  # killed or stopped by the sandbox (same uid) while it waited
                 continue
             if self._holder_stopped():
                 prepared.discard()
@@ -371,23 +502,28 @@ class SpawnerClient:
 
     def _holder_stopped(self) -> bool:
         """A stopped holder would never report how the command ended."""
-        try:  # opened each time: a descriptor per sandbox would count against the agent's limit
-            fd = os.open(self._holder_stat, os.O_RDONLY | os.O_CLOEXEC)
-        except OSError:  # gone: the command's end tells
-            return False
-        try:
-            return os.read(fd, 512).rpartition(b")")[2][1:2] in (b"T", b"t")
-        except OSError:
-            return False
-        finally:
-            os.close(fd)
+        return _stopped(self._holder_pid)
 
     # -- starting a command ---------------------------------------------------------
-    async def spawn(self, argv: list[str], env: dict[str, str], cwd: str, stdio: tuple[int, int, int]) -> Spawned:
+    async def spawn(self, argv: list[str], env: dict[str, str], cwd: str, stdio: tuple[int, int, int],
+                    shell_command: Optional[str] = None) -> Spawned:
         """Start ``argv`` in a prepared process (already in its job's cgroup: ``Spawned.cgroup``).
+        ``shell_command``: the command, where ``argv`` is ``bash -c`` of it with the sandbox's
+        own environment and no stdin: a prestarted bash may run it instead (then
+        ``Spawned.shell`` names the output files it wrote to, not ``stdio``'s).
         Raises SpawnerUnavailable when it did not start (nothing of it runs then)."""
         payload = _encoded(argv, env, cwd)
+        text = _shell_text(cwd, shell_command) if shell_command is not None and self.shell_env is not None else None
+        self._shell_next = text is not None  # prepare the kind this sandbox's requests need
         prepared = await self._take()
+        if prepared.shell is not None and text is not None:
+            return self._run_in_shell(prepared, text)
+        if prepared.shell is not None:  # a shell, prepared before this kind of request came
+            prepared.discard()
+            prepared = await self._take()
+            if prepared.shell is not None:
+                prepared.discard()
+                raise SpawnerUnavailable("the spawner prepared a shell for a command it cannot run")
         ctl, spawned = prepared.ctl, prepared.spawned
         try:
             try:
@@ -415,6 +551,24 @@ class SpawnerClient:
         self._started(spawned.exited)
         self.prepare()  # the next command's process, while this one runs (not after: a caller's next command would wait for it)
         return spawned
+
+    def _run_in_shell(self, prepared: _Prepared, text: bytes) -> Spawned:
+        """Hand a prestarted bash its command: write it, close the pipe it waits on."""
+        shell = prepared.shell
+        assert shell is not None
+        try:
+            os.pwrite(shell.text, text, 0)
+            os.close(shell.go)  # from here the command runs
+            shell.go = -1
+        except OSError as exc:
+            prepared.discard()
+            raise SpawnerUnavailable(f"could not hand the shell its command: {exc}") from None
+        shell.close()
+        prepared.ctl.close()
+        prepared.spawned.shell = shell.start
+        self._started(prepared.spawned.exited)
+        self.prepare()
+        return prepared.spawned
 
     async def _hello(self, ours: socket.socket, exited: "asyncio.Future[int]") -> int:
         """The command's pid, as the kernel delivered it with the command's first message."""

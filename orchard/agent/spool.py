@@ -31,9 +31,10 @@ class Captured:
 class SpoolFile:
     """One output stream of one job (stdout or stderr)."""
 
-    def __init__(self, name: str, limit: int) -> None:
+    def __init__(self, name: str, limit: int, fd: int = -1) -> None:
+        """``fd``: a memfd made beforehand (a prestarted shell's output), now this file's."""
         self.limit = limit  # bytes kept: half from the head, half from the tail
-        self.fd = os.memfd_create(name, os.MFD_CLOEXEC)
+        self.fd = fd if fd >= 0 else os.memfd_create(name, os.MFD_CLOEXEC)
         self.punched_to = 0
 
     def size(self) -> int:

@@ -184,7 +184,8 @@ class BwrapRuntime(IsolationRuntime):
         if pair is not None:
             self._drop_spawner(sandbox)
             try:
-                client = SpawnerClient(pair[0], sandbox.placement.target_pid, sandbox.cgroup)
+                shell_env = dict(sandbox.placement.env) if sandbox.placement.shell == "bash" and settings.prestart_shell else None
+                client = SpawnerClient(pair[0], sandbox.placement.target_pid, sandbox.cgroup, shell_env)
                 self._spawners[sandbox.sandbox_id] = (sandbox.placement, client)
             except OSError:  # the holder is already gone: commands will find the sandbox lost
                 pair[0].close()

@@ -31,6 +31,7 @@
 #define SPAWN_PAYLOAD_MAX (60 * 1024)
 #define SPAWN_MAX_ARGS 4096
 #define SPAWN_MAX_RUNNING 32
+#define SPAWN_MAX_FDS 5 /* stdin, stdout, stderr, and up to two more at 3 and 4 (a prestarted shell's) */
 
 static struct { pid_t pid; unsigned long id; } spawned[SPAWN_MAX_RUNNING];
 
@@ -105,6 +106,15 @@ static int parse_command(char *payload, ssize_t n, char **args, char **cwd, char
     return 1;
 }
 
+/* `fd` moved to a number past those a command's descriptors go to (0 .. SPAWN_MAX_FDS - 1). */
+static int above_stdio(int fd) {
+    if (fd >= SPAWN_MAX_FDS) return fd;
+    int moved = fcntl(fd, F_DUPFD_CLOEXEC, SPAWN_MAX_FDS);
+    if (moved < 0) _exit(125);
+    close(fd);
+    return moved;
+}
+
 /* A child forked ahead of its command: it says who it is, waits (not dumpable: the
    sandbox's processes of the same uid cannot ptrace it or take its CTL socket or the job
    group's descriptor), joins the next job's cgroup when told, then gets the command with its stdio on CTL,
@@ -116,6 +126,7 @@ static void prepared_child(int ctl) {
     sigset_t none;
     sigemptyset(&none);
     sigprocmask(SIG_SETMASK, &none, NULL);
+    ctl = above_stdio(ctl);
     if (setsid() < 0) die("setsid", NULL);
     /* Not dumpable while it waits (inherited from the holder): no PTRACE_SEIZE, no
        /proc/PID/mem or /proc/PID/fd for the sandbox's processes. It becomes dumpable only
@@ -125,18 +136,18 @@ static void prepared_child(int ctl) {
     /* Tell the agent who we are: the kernel vouches for the pid (no capabilities here). */
     struct ucred self = {.pid = getpid(), .uid = getuid(), .gid = getgid()};
     if (send_control(ctl, "p", 1, SCM_CREDENTIALS, &self, sizeof self) != 1) _exit(125);
-    union { char buf[CMSG_SPACE(3 * sizeof(int))]; struct cmsghdr align; } control;
+    union { char buf[CMSG_SPACE(SPAWN_MAX_FDS * sizeof(int))]; struct cmsghdr align; } control;
     struct iovec iov;
     struct msghdr msg;
     ssize_t n;
-    int fds[3], n_fds, placed = 0;
+    int fds[SPAWN_MAX_FDS], n_fds, placed = 0;
     for (;;) { /* at most one placement ("g" and one descriptor), then the command */
         iov = (struct iovec){.iov_base = payload, .iov_len = SPAWN_PAYLOAD_MAX};
         msg = (struct msghdr){.msg_iov = &iov, .msg_iovlen = 1, .msg_control = control.buf,
                               .msg_controllen = sizeof control.buf};
         do n = recvmsg(ctl, &msg, MSG_CMSG_CLOEXEC); while (n < 0 && errno == EINTR);
         if (n <= 0) _exit(125); /* the agent gave up on us */
-        n_fds = received_fds(&msg, fds, 3);
+        n_fds = received_fds(&msg, fds, SPAWN_MAX_FDS);
         if (n_fds != 1 || n != 1 || payload[0] != 'g') break;
         if (placed++ || (msg.msg_flags & (MSG_TRUNC | MSG_CTRUNC))) _exit(125);
         if (write(fds[0], "0", 1) != 1) die("join the job's cgroup", NULL);
@@ -144,14 +155,17 @@ static void prepared_child(int ctl) {
         if (send(ctl, "g", 1, MSG_NOSIGNAL) != 1) _exit(125);
     }
     char *cwd, **argv, **envp;
-    if (n_fds != 3 || (msg.msg_flags & (MSG_TRUNC | MSG_CTRUNC)) || !parse_command(payload, n, args, &cwd, &argv, &envp))
+    if (n_fds < 3 || n_fds > SPAWN_MAX_FDS || (msg.msg_flags & (MSG_TRUNC | MSG_CTRUNC))
+        || !parse_command(payload, n, args, &cwd, &argv, &envp))
         _exit(125); /* malformed: the agent sees CTL close without "x" and runs it the other way */
-    for (int fd = 0; fd < 3; fd++)
+    for (int fd = 0; fd < n_fds; fd++) /* first all out of the way of the numbers they go to */
+        fds[fd] = above_stdio(fds[fd]);
+    for (int fd = 0; fd < n_fds; fd++)
         if (dup2(fds[fd], fd) < 0) _exit(125);
     if (chdir(cwd) < 0) die("chdir", cwd);
     if (send(ctl, "x", 1, MSG_NOSIGNAL) != 1) _exit(125);
-    if (syscall(SYS_close_range, 3U, ~0U, 0U) < 0)
-        for (int fd = 3; fd < 1024; fd++) close(fd);
+    if (syscall(SYS_close_range, (unsigned)n_fds, ~0U, 0U) < 0)
+        for (int fd = n_fds; fd < 1024; fd++) close(fd);
     /* Only the command's stdio is left: dumpable now, so /proc/self/oom_score_adj is ours. */
     if (prctl(PR_SET_DUMPABLE, 1, 0, 0, 0) < 0) die("dumpable", NULL);
     int adj = open("/proc/self/oom_score_adj", O_WRONLY | O_CLOEXEC);
