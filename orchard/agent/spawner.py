@@ -71,8 +71,13 @@ _UCRED = struct.Struct("iII")
 # BASH_SOURCE, BASH_EXECUTION_STRING, PWD and OLDPWD, SECONDS, SHLVL, exit codes, traps,
 # ``return`` and ``exit``, "command not found", the open descriptors, no variable of its
 # own left. What differs: a syntax error reads ``bash: eval: line N:`` where ``bash -c``
-# says ``bash: -c: line N:`` (exit code 2 either way), and the process's command line
-# (``ps``) shows this wrapper. One line: $LINENO inside counts from the command's own start.
+# says ``bash: -c: line N:`` (exit code 2 either way); the process's command line (``ps``)
+# shows this wrapper; PIPESTATUS is set (to 0) before the command's first pipeline; and what
+# bash reads as it starts (the bash binary on PATH, locale files) is read while the previous
+# command may still run, so a command that replaces those is seen by the command after next.
+# One line: $LINENO inside counts from the command's own start. Never used where the
+# sandbox's environment sets what a bash reads at start or that would change the wrapper
+# itself (``prestartable``).
 SHELL_WRAPPER = (
     'read -r -u 3 c; IFS= read -r -d "" -u 4 c && builtin cd -P -- "$c" 2>/dev/null'
     ' || { builtin printf "orchard-enter: chdir %s: cannot enter it\\n" "$c" >&2; exit 125; };'
@@ -130,6 +135,17 @@ class Spawned:
             self.loop.remove_reader(self.pidfd)
             os.close(self.pidfd)
             self.pidfd = -1
+
+
+# Variables that make bash run code or change its options as it starts (rc files, xtrace,
+# errexit), or define functions (exported ones): they would act on the wrapper itself, or be
+# read before the previous command has ended (a BASH_ENV file it wrote).
+_STARTUP_VARIABLES = frozenset({"BASH_ENV", "ENV", "SHELLOPTS", "BASHOPTS", "POSIXLY_CORRECT", "BASH_XTRACEFD"})
+
+
+def prestartable(env: dict[str, str]) -> bool:
+    """Whether a sandbox with this environment can have its commands' bash started ahead."""
+    return not any(name in _STARTUP_VARIABLES or name.startswith("BASH_FUNC_") for name in env)
 
 
 def _stopped(pid: int) -> bool:
@@ -367,8 +383,8 @@ class SpawnerClient:
         payload = _encoded(["bash", "-c", SHELL_WRAPPER, "bash"], {**env, MARK: mark}, "/")
         made: list[int] = []
         try:  # out of descriptors (EMFILE): the command runs the plain way, or through orchard-enter
-            for _ in range(3):
-                made.append(os.memfd_create("spawner", os.MFD_CLOEXEC))
+            for name in ("stdout", "stderr", "command"):  # the names a command sees in /proc/self/fd
+                made.append(os.memfd_create(name, os.MFD_CLOEXEC))
             made.extend(os.pipe2(os.O_CLOEXEC))
             made.append(os.open("/dev/null", os.O_RDONLY | os.O_CLOEXEC))
         except OSError as exc:
@@ -558,6 +574,8 @@ class SpawnerClient:
         assert shell is not None
         try:
             os.pwrite(shell.text, text, 0)
+            for fd in (shell.start.stdout, shell.start.stderr):  # what the sandbox's processes may
+                os.ftruncate(fd, 0)  # have written there through /proc while it waited is not its output
             os.close(shell.go)  # from here the command runs
             shell.go = -1
         except OSError as exc:

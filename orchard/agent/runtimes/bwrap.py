@@ -23,7 +23,7 @@ from orchard.agent.runtimes.holder import HOLD_ARGS, launcher_prefix, limit, spa
 from orchard.agent.runtimes.layers import image_workdir, writable_root
 from orchard.agent.runtimes.mounts import MASKED_PROC_DIRS, MASKED_PROC_FILES, system_binds
 from orchard.agent.sandbox import Placement, SandboxState
-from orchard.agent.spawner import SPAWNER_FD, SpawnerClient, socket_pair
+from orchard.agent.spawner import SPAWNER_FD, SpawnerClient, prestartable, socket_pair
 from orchard.errors import Unsupported
 from orchard.quantities import optional_bytes
 
@@ -184,7 +184,9 @@ class BwrapRuntime(IsolationRuntime):
         if pair is not None:
             self._drop_spawner(sandbox)
             try:
-                shell_env = dict(sandbox.placement.env) if sandbox.placement.shell == "bash" and settings.prestart_shell else None
+                env = sandbox.placement.env
+                prestart = settings.prestart_shell and sandbox.placement.shell == "bash" and prestartable(env)
+                shell_env = dict(env) if prestart else None
                 client = SpawnerClient(pair[0], sandbox.placement.target_pid, sandbox.cgroup, shell_env)
                 self._spawners[sandbox.sandbox_id] = (sandbox.placement, client)
             except OSError:  # the holder is already gone: commands will find the sandbox lost
