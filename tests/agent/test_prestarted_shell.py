@@ -47,7 +47,7 @@ SAME = [
     "env | grep -v '^ORCHARD_JOB=' | sort", "cat /proc/self/status | grep -E '^(Cap|NoNewPrivs|Seccomp)'",
     "ulimit -a", "umask", "trap -p; set -o | grep on", "read x; echo \"[$x]\" $?", "sleep 0.2 & echo started",
     "printf 'a\\0b' | od -c | head -1", "echo é 日本; echo err >&2", "cd /tmp && pwd; cd - >/dev/null; pwd",
-    "echo " + "x" * 20000,
+    "echo " + "x" * 20000, "readlink /proc/self/fd/1 /proc/self/fd/2",
 ]
 
 
@@ -107,9 +107,10 @@ def test_a_timeout_kills_the_command_and_what_it_started(pair):
 
 def test_a_sandbox_process_meddling_with_the_waiting_shell_hurts_only_its_own_next_command(pair):
     """The waiting bash runs as the sandbox's user (it is dumpable, like any command): a
-    background process of the sandbox can open its descriptors through /proc. It can spoil
-    the sandbox's own next command (as it could by killing it); it never reaches the agent,
-    another sandbox or the command after next."""
+    background process of the sandbox can open some of its descriptors through /proc (its
+    command memfd; the pipe it waits on is the agent's, mode 0600). The agent overwrites the
+    command at hand-over, so at most a write racing that moment spoils that one command (as
+    killing it would); it never reaches the agent or another sandbox."""
     prestarted, _ = pair
     meddle = ("for p in /proc/[0-9]*; do "
               "  grep -q 'read -r -u 3' $p/cmdline 2>/dev/null || continue; "
@@ -123,3 +124,82 @@ def test_a_sandbox_process_meddling_with_the_waiting_shell_hurts_only_its_own_ne
     assert spoiled.stdout in ("mine\n", "", "hijacked\n")  # its own next command, run or spoiled
     for _ in range(3):
         assert prestarted.exec("echo mine").stdout == "mine\n"  # the commands after it are its own again
+
+
+PREFILL = r"""
+import os, time
+done, deadline = set(), time.time() + 60
+while time.time() < deadline:
+    for name in os.listdir("/proc"):
+        try:
+            if name in done or not name.isdigit() or not os.path.lexists(f"/proc/{name}/fd/3"):
+                continue  # fd 3: the pipe a shell waits on (closed once it has its command)
+            if b"read -r -u 3" not in open(f"/proc/{name}/cmdline", "rb").read():
+                continue
+            for fd in (1, 2):
+                with open(f"/proc/{name}/fd/{fd}", "w") as out:
+                    out.write("ALL TESTS PASSED\n")
+            done.add(name)
+            with open("/tmp/prefilled", "a") as log:
+                log.write(name + "\n")
+        except OSError:
+            pass
+    time.sleep(0.005)
+"""
+
+
+def test_output_written_into_a_waiting_shell_before_its_command_is_not_that_command_s(pair):
+    """Found in review: a background process wrote "ALL TESTS PASSED" into each waiting
+    shell's stdout memfd (it can reopen it through /proc: a command's own `> /dev/stdout`
+    needs that) and every later command carried it. The agent empties both files at hand-over.
+    (Writing into a command's output while it runs is open to any process of the sandbox,
+    with or without a prestarted shell: that is the sandbox's own command.)"""
+    prestarted, _ = pair
+
+    def prefilled() -> int:
+        try:
+            return len(prestarted.download("/tmp/prefilled").split())
+        except Exception:  # not there yet
+            return 0
+
+    def wait_until_prefilled(count: int) -> None:
+        deadline = time.monotonic() + 20
+        while prefilled() < count:
+            assert time.monotonic() < deadline, "the waiting shell was never written to"
+            time.sleep(0.02)
+
+    prestarted.upload("/tmp/prefill.py", PREFILL)
+    assert prestarted.exec("rm -f /tmp/prefilled; python3 /tmp/prefill.py >/dev/null 2>&1 &").exit_code == 0
+    for n in range(1, 6):
+        wait_until_prefilled(n)  # the shell that will run the next command holds the fake output now
+        job = prestarted.exec("echo mine; echo err >&2")
+        assert (job.exit_code, job.stdout, job.stderr) == (0, "mine\n", "err\n"), job
+    assert prestarted.exec("echo ok > /dev/stdout").stdout == "ok\n"  # reopening its own output still works
+    prestarted.exec("pkill -f prefill.py")
+
+
+@pytest.mark.parametrize("env", [{"SHELLOPTS": "errexit"}, {"SHELLOPTS": "xtrace"}, {"BASH_ENV": "/tmp/rc"},
+                                 {"BASH_FUNC_read%%": "() { echo hijacked; }"}])
+def test_a_sandbox_whose_env_changes_how_bash_starts_runs_each_command_fresh(agent_settings, env):
+    """Found in review: the sandbox's own SHELLOPTS=errexit made the wrapper exit on its
+    first read (every command: exit 1, no output), xtrace traced it into every job's stderr,
+    and a BASH_ENV file was read before the previous command had written it."""
+    from orchard.agent.spawner import prestartable
+    from orchard.backends.local.launcher import stop_agent
+
+    assert not prestartable(env) and prestartable({"PATH": "/bin", "LANG": "C.UTF-8"})
+    settings, client = _client(agent_settings, "env", True)
+    handle = client.create("host", env=env)
+    try:
+        handle.exec("echo 'STAGE=old' > /tmp/rc")
+        handle.exec("sleep 0.3; echo 'STAGE=new' > /tmp/rc")
+        job = handle.exec("echo run; echo stage=$STAGE; tr '\\0' ' ' < /proc/$$/cmdline")
+        assert job.exit_code == 0 and job.stdout.startswith("run\n"), job
+        assert "read -r -u 3" not in job.stdout  # a fresh bash -c
+        if "BASH_ENV" in env:
+            assert "stage=new" in job.stdout
+    finally:
+        handle.delete()
+        client.close()
+        stop_agent(settings)
+        shutil.rmtree(settings.state_dir, ignore_errors=True)
