@@ -441,3 +441,37 @@ def test_waiting_for_a_free_connection_is_bounded_like_a_connect(monkeypatch):
 def test_no_read_timeout_means_none():
     result, _ = run(keep_alive(), lambda client, server: client.request("GET", "/x"), timeout=None)
     assert result["line"] == "GET /x HTTP/1.1"
+
+
+def test_a_connection_closed_before_its_request_is_a_typed_error_under_uvloop(monkeypatch):
+    """Found in CI: an agent killed with a connection in its listen backlog. The connect
+    succeeded, the server's close was processed, and uvloop raised RuntimeError on the write
+    ("the handler is closed"), which the server answered as a 500 instead of a 410."""
+    import uvloop
+
+    from orchard.client import lean_http
+
+    connect = lean_http.LeanPool._connect
+
+    async def connect_then_wait(self: lean_http.LeanPool, connect_timeout: float) -> object:
+        connection = await connect(self, connect_timeout)
+        await asyncio.sleep(0.2)  # the server's close is processed before the request goes out
+        return connection
+
+    monkeypatch.setattr(lean_http.LeanPool, "_connect", connect_then_wait)
+
+    async def closes_at_once(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
+        writer.close()
+
+    async def main() -> int:
+        server = RawServer(closes_at_once)
+        client = ApiClient(await server.start(), "key", retries=1)
+        try:
+            with pytest.raises(AgentUnreachable):
+                await client.request("GET", "/x")
+        finally:
+            await client.close()
+            await server.stop()
+        return server.connections
+
+    assert uvloop.run(main()) == 2  # retried once on a fresh connection, then typed

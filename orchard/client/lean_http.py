@@ -153,6 +153,11 @@ class _Connection(asyncio.Protocol):
         if timeout is not None:
             self.timer = self.loop.call_later(timeout, self._check_silence, waiter, timeout)
         try:
+            if self.closed or self.transport.is_closing():  # type: ignore[union-attr]
+                # Closed by the server between connecting and this write (an agent killed with
+                # the connection in its backlog): uvloop raises RuntimeError on the write, which
+                # went out as a 500 (found in CI). Nothing was sent: a retry is safe.
+                raise LeanConnectionError("the connection closed before the request was sent", sent_nothing_back=True)
             self.transport.write(data)  # type: ignore[union-attr]
             return await waiter
         except BaseException:
