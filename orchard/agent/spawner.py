@@ -218,24 +218,24 @@ class _Prepared:
             self.shell.start.close()
 
 
-def _shell_text(cwd: str, command: str) -> bytes:
-    """What a prestarted bash reads: "CWD\0COMMAND\0"."""
-    if "\0" in command or "\0" in cwd:
-        raise SpawnerUnavailable("a NUL byte in the command")
-    text = f"{cwd}\0{command}\0".encode(errors="surrogateescape")
-    if len(text) > PAYLOAD_MAX:  # what a plain child takes too: longer ones go through orchard-enter
-        raise SpawnerUnavailable("request too long for the spawner")
-    return text
-
-
-def _encoded(argv: list[str], env: dict[str, str], cwd: str) -> bytes:
-    strings = [cwd, str(len(argv)), *argv, *(f"{k}={v}" for k, v in env.items())]
+def _nul_terminated(strings: list[str]) -> bytes:
+    """Each string NUL-terminated, as the holder's child and the prestarted shell read them;
+    longer than PAYLOAD_MAX, or with a NUL inside, the command goes through orchard-enter."""
     if any("\0" in s for s in strings):
         raise SpawnerUnavailable("a NUL byte in the command or its environment")
     payload = b"".join(s.encode(errors="surrogateescape") + b"\0" for s in strings)
     if len(payload) > PAYLOAD_MAX:
         raise SpawnerUnavailable("request too long for the spawner")
     return payload
+
+
+def _shell_text(cwd: str, command: str) -> bytes:
+    """What a prestarted bash reads: "CWD\0COMMAND\0"."""
+    return _nul_terminated([cwd, command])
+
+
+def _encoded(argv: list[str], env: dict[str, str], cwd: str) -> bytes:
+    return _nul_terminated([cwd, str(len(argv)), *argv, *(f"{k}={v}" for k, v in env.items())])
 
 
 class SpawnerClient:
@@ -509,16 +509,12 @@ class SpawnerClient:
             if prepared.spawned.exited.done() or not prepared.spawned.alive() or _stopped(prepared.spawned.pid):
                 prepared.discard()  # killed or stopped by the sandbox (same uid) while it waited
                 continue
-            if self._holder_stopped():
+            if _stopped(self._holder_pid):  # a stopped holder would never report how the command ended
                 prepared.discard()
                 self._unhealthy("the holder is stopped (from outside: the sandbox cannot)")
                 raise SpawnerUnavailable("the holder is stopped")
             return prepared
         raise SpawnerUnavailable("the prepared process died before its command, twice")
-
-    def _holder_stopped(self) -> bool:
-        """A stopped holder would never report how the command ended."""
-        return _stopped(self._holder_pid)
 
     # -- starting a command ---------------------------------------------------------
     async def spawn(self, argv: list[str], env: dict[str, str], cwd: str, stdio: tuple[int, int, int],

@@ -348,7 +348,7 @@ class SQLiteStore(Store):
         self.db.execute("INSERT OR REPLACE INTO sandboxes VALUES (?, ?, ?, ?)",
                         (record.sandbox.sandbox_id, record.spec.model_dump_json(), record.sandbox.model_dump_json(),
                          record.last_seen))
-        self._written()
+        self.wal_limit.written()
 
     def get_sandbox(self, sandbox_id: str) -> Optional[SandboxRecord]:
         row = self.db.execute("SELECT sandbox_id, spec, sandbox, last_seen FROM sandboxes WHERE sandbox_id=?",
@@ -364,26 +364,23 @@ class SQLiteStore(Store):
             with self.db.transaction():  # one commit: alone, each row's page was a WAL frame (3.9 MiB for 1,000)
                 self.db.executemany("UPDATE sandboxes SET last_seen=? WHERE sandbox_id=?",
                                     [(when, sandbox_id) for sandbox_id, when in last_seen.items()])
-            self._written()
+            self.wal_limit.written()
 
     def remove_sandbox(self, sandbox_id: str) -> bool:
         removed = self.db.execute("DELETE FROM sandboxes WHERE sandbox_id=?", (sandbox_id,)).rowcount > 0
-        self._written()
+        self.wal_limit.written()
         return removed
 
     def put_job(self, job: Job) -> None:
         self.db.execute("INSERT OR REPLACE INTO jobs VALUES (?, ?, ?, ?, ?)",
                         (job.job_id, job.sandbox_id, int(job.done), job.completed_at, job.model_dump_json()))
-        self._written()
+        self.wal_limit.written()
 
     def put_job_json(self, sandbox_id: str, job_json: bytes) -> None:
         fields = json.loads(job_json)
         done = fields.get("status") in ("succeeded", "failed")
         self.db.execute("INSERT OR REPLACE INTO jobs VALUES (?, ?, ?, ?, ?)",
                         (fields["job_id"], sandbox_id, int(done), fields.get("completed_at"), job_json.decode()))
-        self._written()
-
-    def _written(self) -> None:
         self.wal_limit.written()
 
     def get_job(self, job_id: str) -> Optional[Job]:
@@ -396,7 +393,7 @@ class SQLiteStore(Store):
 
     def purge_jobs(self, finished_before: float) -> int:
         purged = self.db.execute("DELETE FROM jobs WHERE done=1 AND completed_at < ?", (finished_before,)).rowcount
-        self._written()
+        self.wal_limit.written()
         return purged
 
     def close(self) -> None:
