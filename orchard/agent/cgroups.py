@@ -286,12 +286,15 @@ class CgroupManager:
                     raise
 
     def remove_bases(self) -> None:
-        """Remove this agent's (empty) cgroup directories when it stops."""
+        """Remove this agent's (empty) cgroup directories when it stops. Below its own cgroup
+        the ``orchard`` directory above them goes too: it is this agent's alone, and a Slurm
+        job whose task cgroup kept it could not remove its own tree at the job's end."""
         for base in self.bases.values():
-            try:
-                base.rmdir()
-            except OSError:
-                pass
+            for directory in (base, base.parent) if self.below_own else (base,):
+                try:
+                    directory.rmdir()
+                except OSError:
+                    break
         self.ownership.release(forget=not any(base.exists() for base in self.bases.values()))
 
     def remove_dead_agents_trees(self, patience: float = 1.0) -> list[str]:

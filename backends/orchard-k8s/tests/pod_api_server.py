@@ -95,6 +95,27 @@ def pod_cgroups(name: str, limits: dict[str, str]) -> list[Path]:
     return procs
 
 
+async def remove_pod_cgroups(name: str, patience: float = 5.0) -> None:
+    """Kill whatever is left in the pod's cgroups and remove them, deepest first, as the
+    kubelet does: the pod's process group is not all of it (the agent's sandboxes sit in
+    their own groups), and a cgroup stays busy until its last process is reaped."""
+    groups = [Path("/sys/fs/cgroup") / controller / CGROUP_BASE / name for controller in ("memory", "cpu", "pids")]
+    deadline = time.monotonic() + patience
+    while True:
+        left = [g for g in groups if g.exists()]
+        for group in left:
+            for tree in sorted((d for d in group.rglob("*") if d.is_dir()), key=lambda d: -len(d.parts)) + [group]:
+                try:
+                    for pid in (tree / "cgroup.procs").read_text().split():
+                        os.kill(int(pid), signal.SIGKILL)
+                    tree.rmdir()
+                except OSError:
+                    pass
+        if not any(g.exists() for g in groups) or time.monotonic() > deadline:
+            return
+        await asyncio.sleep(0.02)
+
+
 def root_args(image: Path, disk: Optional[int] = None) -> list[str]:
     """The pod's root: a tmpfs showing the image's top-level entries read-only (so mount points
     such as /orchard can be made, as a container runtime makes them) and tmpfs where it writes."""
@@ -466,6 +487,7 @@ class PodApiTestServer:
             await process.wait()
             relay.close()
             shutil.rmtree(directory, ignore_errors=True)
+            await remove_pod_cgroups(name)
             return
         if not await self._agent_healthy(directory / "agent.sock", process):
             if state.get("stopping") or not mine():  # deleted: its status is not ours to write
@@ -580,11 +602,7 @@ class PodApiTestServer:
             relay.close()
         if state.get("directory"):
             shutil.rmtree(state["directory"], ignore_errors=True)
-        for controller in ("memory", "cpu", "pids"):
-            try:
-                (Path("/sys/fs/cgroup") / controller / CGROUP_BASE / name).rmdir()
-            except OSError:
-                pass
+        await remove_pod_cgroups(name)
 
     # -- faults ------------------------------------------------------------------------
     async def _kill(self, name: str, ended_as: str) -> None:

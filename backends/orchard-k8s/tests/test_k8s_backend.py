@@ -151,6 +151,29 @@ def test_a_deleted_sandbox_is_gone_at_once_even_before_the_watch_says_so(k8s, po
         pod_api.watch_delay = 0.0
 
 
+def test_a_deleted_pod_leaves_no_cgroup_behind_even_with_a_sandbox_process_running(k8s, pod_api):
+    """The test kubelet removes a pod's cgroups as a kubelet does. It used to kill the pod's
+    process group and rmdir at once, which failed while processes outside that group (the
+    sandbox's, in sessions of their own) were still dying: 600 empty cgroups piled up over a
+    day of test runs."""
+    from pathlib import Path
+
+    from pod_api_server import CGROUP_BASE
+
+    before = set(pod_api._pods)
+    sandbox = k8s.create(KIT_IMAGE)
+    (pod,) = set(pod_api._pods) - before
+    groups = [Path("/sys/fs/cgroup") / c / CGROUP_BASE / pod for c in ("memory", "cpu", "pids")]
+    groups = [g for g in groups if g.exists()]
+    assert groups, "the test kubelet made no cgroup for the pod"
+    sandbox.exec("setsid sleep 600 >/dev/null 2>&1 &")
+    sandbox.delete()
+    deadline = time.monotonic() + 10
+    while any(g.exists() for g in groups) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not [g for g in groups if g.exists()]
+
+
 def test_a_create_asked_again_after_its_creator_died_finishes_or_starts_over(k8s_settings, pod_api, core_api):
     """Another server (a replica that died, or this one before a restart) made the pod and
     never saw it ready: a create of that sandbox asked again waits for the pod and adopts it;

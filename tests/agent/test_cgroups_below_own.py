@@ -1,0 +1,53 @@
+"""Sandbox cgroups below the agent's own (a Slurm pilot's): the agent leaves its host
+cgroup as it found it, so the job's own tree can be removed when the job ends.
+
+Before, every pilot that exited cleanly left ``task_0/orchard`` in each of its Slurm job's
+cgroups, and slurmd could not remove the job's tree: 136 such trees on this machine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+
+V1 = Path("/sys/fs/cgroup")
+CONTROLLERS = [c for c in ("memory", "pids", "cpu") if (V1 / c / "cgroup.procs").exists()]
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0 or not CONTROLLERS, reason="needs root and cgroup v1 hierarchies")
+
+AGENT_LIFE = """
+import json, os, sys
+from pathlib import Path
+for procs in sys.argv[1:]:
+    Path(procs).write_text(str(os.getpid()))
+from orchard.agent.cgroups import CgroupManager
+manager = CgroupManager("pilot-test", below_own=True)
+group = manager.create("sbx-1", memory=64 << 20, pids=32, cpus=None)
+print(json.dumps(sorted(str(d) for d in group.dirs.values())), flush=True)
+assert group.remove()
+manager.remove_bases()
+"""
+
+
+def test_an_agent_below_its_own_cgroup_leaves_that_cgroup_as_it_found_it():
+    job = [V1 / c / f"orchard-test-job-{uuid.uuid4().hex[:12]}" for c in CONTROLLERS]
+    for group in job:
+        group.mkdir()
+    try:
+        run = subprocess.run([sys.executable, "-c", AGENT_LIFE, *(str(g / "cgroup.procs") for g in job)],
+                             capture_output=True, text=True, timeout=60)
+        assert run.returncode == 0, run.stderr
+        made = json.loads(run.stdout)  # the sandbox's cgroups, as the agent made them: below the job's
+        assert made and all(any(d.startswith(f"{g}/orchard/pilot-test/") for g in job) for d in made)
+        assert [sorted(p.name for p in g.iterdir() if p.is_dir()) for g in job] == [[] for _ in job]
+    finally:
+        for group in job:
+            for directory in sorted((d for d in group.rglob("*") if d.is_dir()), key=lambda d: -len(d.parts)):
+                directory.rmdir()
+            group.rmdir()
