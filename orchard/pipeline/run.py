@@ -36,11 +36,16 @@ SFT_DATA = ("credit", "credit-all", "resolved")
 @dataclass
 class PipelineConfig:
     output_dir: Path = field(metadata={"help": "everything the run writes"})
-    seed: int = field(default=0, metadata={"help": "tasks, model initialization, expert and sampling"})
+    seed: int = field(default=0, metadata={"help": "SFT's data order, RL's and evaluation's sampling; and, unless "
+                                                   "world_seed is set, the tasks, base model and expert"})
     backend: dict = field(default_factory=lambda: {"name": "local"}, metadata={"help": "{name, settings}"})
     image: Optional[str] = field(default=None, metadata={"help": "image with python3 and git (default: built here)"})
     tasks: int = field(default=400, metadata={"help": "generated tasks (train + held-out)"})
     heldout_fraction: float = field(default=0.25, metadata={"help": "share of held-out variants"})
+    world_seed: Optional[int] = field(default=None, metadata={
+        "help": "the tasks, split, base model and expert trajectories come from this seed, whatever `seed` is "
+                "(default: `seed`'s own): a study over seeds then varies SFT's and RL's training and sampling "
+                "alone, as seeds do over one data set and one pretrained checkpoint"})
     split_seed: Optional[int] = field(default=None, metadata={
         "help": "hold out the variants this seed picks, whatever `seed` is (default: `seed`'s own): a study over "
                 "seeds then judges every seed on the same code shapes, and its spread is training's alone"})
@@ -76,6 +81,11 @@ class PipelineConfig:
     eval_attempts: int = field(default=2, metadata={"help": "attempts per held-out task and model"})
     temperature: float = field(default=1.0, metadata={"help": "sampling temperature (training and evaluation)"})
     concurrency: int = field(default=16, metadata={"help": "rollout sandboxes at once"})
+
+    @property
+    def world(self) -> int:
+        """The seed of what the run is given rather than what it trains: tasks, base model, expert."""
+        return self.seed if self.world_seed is None else self.world_seed
 
     def __post_init__(self) -> None:
         self.output_dir = Path(self.output_dir)
@@ -174,9 +184,9 @@ class Pipeline:
         started = time.perf_counter()
         config = self.config
         image = self._image()
-        suite = choice_suite(generate_suite(config.tasks, config.seed, image, config.heldout_fraction,
+        suite = choice_suite(generate_suite(config.tasks, config.world, image, config.heldout_fraction,
                                             split_seed=config.split_seed),
-                             config.candidates, config.seed)
+                             config.candidates, config.world)
         save_tasks(suite, config.output_dir / "tasks.jsonl")
         train = [t for t in suite if t.split == "train"]
         heldout = [t for t in suite if t.split != "train"]
@@ -212,13 +222,13 @@ class Pipeline:
         wanted = skip + config.rl_tasks
         total = config.tasks + wanted
         while True:
-            fresh = [t for t in generate_suite(total, config.seed, image, config.heldout_fraction,
+            fresh = [t for t in generate_suite(total, config.world, image, config.heldout_fraction,
                                                     split_seed=config.split_seed)[config.tasks:]
                      if t.split == "train"]
             if len(fresh) >= wanted:
                 break
             total += wanted - len(fresh)
-        tasks = choice_suite(fresh[skip:wanted], config.candidates, config.seed)
+        tasks = choice_suite(fresh[skip:wanted], config.candidates, config.world)
         save_tasks(tasks, config.output_dir / "rl-tasks.jsonl")
         self._stage("rl tasks", started, tasks=len(tasks), after_earlier_runs=skip,
                     note="training split, generated after the suite's tasks")
@@ -236,11 +246,11 @@ class Pipeline:
             return model, tokenizer
         from orchard.pipeline.model import build_model, build_tokenizer, pretrain, random_conversation
 
-        rng = random.Random(config.seed)
+        rng = random.Random(config.world)
         texts = [m["content"] for task in train for m in random_conversation(task, SYSTEM, rng)]
         tokenizer = build_tokenizer(texts + [SYSTEM], config.model.vocab_size)
-        model = build_model(tokenizer, config.model, config.seed)
-        losses = pretrain(model, tokenizer, train, SYSTEM, config.model, config.seed)
+        model = build_model(tokenizer, config.model, config.world)
+        losses = pretrain(model, tokenizer, train, SYSTEM, config.model, config.world)
         model.save_pretrained(config.output_dir / "base")
         tokenizer.save_pretrained(config.output_dir / "base")
         self._stage("base model", started, built_here=True, parameters=sum(p.numel() for p in model.parameters()),
@@ -342,7 +352,7 @@ class Pipeline:
         from orchard.train.credit import save_jsonl
 
         started = time.perf_counter()
-        expert = NoisyExpert(train, seed=self.config.seed, **self.config.expert)
+        expert = NoisyExpert(train, seed=self.config.world, **self.config.expert)
         async with self._engine(expert) as engine:
             samples = await engine.run(train, self.config.expert_attempts, progress=self.progress)
         trajectories = [trajectory_of(s) for s in samples if s.status.value == "completed"]
@@ -432,7 +442,7 @@ def rl_arms(config: PipelineConfig, ablations: bool) -> tuple[str, list[str]]:
     return sampler, [s for s in SAMPLERS if s != sampler] if ablations else []
 
 
-ARM_SETTINGS = ("tasks", "heldout_fraction", "split_seed", "candidates", "rl_tasks", "rollout", "eval_attempts",
+ARM_SETTINGS = ("tasks", "heldout_fraction", "world_seed", "split_seed", "candidates", "rl_tasks", "rollout", "eval_attempts",
                 "temperature")  # what RL and its evaluation saw, besides the rl settings
 
 

@@ -226,6 +226,30 @@ def test_a_split_seed_holds_out_its_variants_from_sft_and_from_rl(kit_image, tmp
     assert not shapes & {tuple(t.tags[:2]) for t in train + rl}
 
 
+def test_a_world_seed_gives_every_seed_the_same_tasks_and_base_model(kit_image, tmp_path):
+    """Seeds over one world vary training alone, as seeds over one data set and one
+    pretrained checkpoint do (the expert's trajectories take ``config.world`` too); without it
+    a seed changes the world as well."""
+    import torch
+
+    from orchard.pipeline.run import Pipeline, PipelineConfig
+
+    small = {"image": kit_image, "tasks": 24, "rl_tasks": 6, "model": {"pretrain_steps": 2}}
+
+    def world(out: str, **seeds: int) -> tuple:
+        pipeline = Pipeline(PipelineConfig(output_dir=tmp_path / out, **small, **seeds), progress=False)
+        train, heldout = pipeline.make_tasks()
+        rl = pipeline.make_rl_tasks()
+        model, _ = pipeline.base_model(train)
+        return (train, heldout, rl), [p.detach().clone() for p in model.parameters()], pipeline.config.world
+
+    one, two, alone = world("one", seed=0, world_seed=5), world("two", seed=1, world_seed=5), world("alone", seed=1)
+    assert one[0] == two[0] and one[0] != alone[0]
+    assert all(torch.equal(a, b) for a, b in zip(one[1], two[1]))
+    assert not all(torch.equal(a, b) for a, b in zip(one[1], alone[1]))
+    assert (one[2], two[2], alone[2]) == (5, 5, 1)
+
+
 def test_a_continuation_trains_on_the_rl_tasks_after_its_earlier_runs(kit_image, tmp_path):
     from orchard.pipeline.run import Pipeline, PipelineConfig
 
