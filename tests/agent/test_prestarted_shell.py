@@ -203,3 +203,49 @@ def test_a_sandbox_whose_env_changes_how_bash_starts_runs_each_command_fresh(age
         client.close()
         stop_agent(settings)
         shutil.rmtree(settings.state_dir, ignore_errors=True)
+
+
+def test_an_agent_out_of_descriptors_runs_commands_the_plain_way_and_recovers(agent_settings):
+    """A prestarted bash takes six descriptors the plain way does not; an agent that cannot
+    make them (EMFILE) runs the command without one, and prestarts again once it can. Made
+    real: the agent's descriptor limit lowered with prlimit, step by step, to below what it
+    holds plus what a prestarted bash needs."""
+    import json
+    import os
+    import resource
+
+    from orchard.backends.local.launcher import stop_agent
+    from orchard.errors import OrchardError
+
+    settings, client = _client(agent_settings, "emfile", True)
+    try:
+        handle = client.create("host")
+        probe = "tr '\\0' ' ' < /proc/$$/cmdline"
+        assert "read -r -u 3" in handle.exec(probe).stdout
+        pid = json.loads((settings.agent_dir / "agent.json").read_text())["pid"]
+        soft, hard = resource.prlimit(pid, resource.RLIMIT_NOFILE)
+        held = len(os.listdir(f"/proc/{pid}/fd"))
+        ways = []
+        try:
+            for room in range(0, 16):
+                resource.prlimit(pid, resource.RLIMIT_NOFILE, (held + room, hard))
+                try:
+                    result = handle.exec(probe, timeout=20)
+                except OrchardError as exc:  # no room even for the plain way: a typed answer, not a hang
+                    ways.append(("refused", type(exc).__name__))
+                    continue
+                assert result.exit_code == 0, (room, result)
+                ways.append(("prestarted" if "read -r -u 3" in result.stdout else "plain", room))
+        finally:
+            resource.prlimit(pid, resource.RLIMIT_NOFILE, (soft, hard))
+        assert ("plain" in {way for way, _ in ways}), ways  # some room for a command, none for a shell ahead
+        assert ways[-1][0] == "prestarted", ways
+        for _ in range(3):  # room again: the next commands run in a bash started ahead, as before
+            assert handle.exec("echo ok").stdout == "ok\n"
+        assert "read -r -u 3" in handle.exec(probe).stdout
+        handle.delete()
+        assert len(os.listdir(f"/proc/{pid}/fd")) <= held + 2  # nothing it made on the way is still open
+    finally:
+        client.close()
+        stop_agent(settings)
+        shutil.rmtree(settings.state_dir, ignore_errors=True)
