@@ -314,6 +314,14 @@ class JobRunner:
                     yield {"type": name, "data": f"\n[orchard: output skipped to {spool.punched_to}]\n"}
                     offsets[name] = spool.punched_to
                 while offsets[name] < size:
+                    keep = spool.limit // 2
+                    if offsets[name] >= keep and size - offsets[name] > keep:
+                        # Past the head and further behind than the tail keeps: the middle would be
+                        # punched out anyway, and may be a hole the command made at no cost to itself
+                        # (a terabyte of zeros from one truncate) that the stream would read and send.
+                        offsets[name] = size - keep
+                        decoders[name].reset()
+                        yield {"type": name, "data": f"\n[orchard: output skipped to {offsets[name]}]\n"}
                     chunk = spool.read_range(offsets[name], min(size - offsets[name], 1 << 16))
                     if not chunk:
                         break

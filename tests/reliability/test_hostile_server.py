@@ -127,6 +127,32 @@ def test_an_output_flood_of_gigabytes_is_capped_and_the_agent_stays_small(server
     assert (peak[0] - before) < 64 << 20, f"agent grew {(peak[0] - before) >> 20} MB"
 
 
+def test_a_sparse_terabyte_of_stdout_streams_as_head_and_tail_not_as_a_terabyte(server, sid):
+    """A command can make its own stdout a 1 TB hole (``truncate`` through /proc/self/fd/1) at
+    no cost to itself; a streaming reader used to read and send those zeros until the output's
+    middle was punched out. A stream now never reads more than half the kept output behind
+    the end: head, a skip marker, tail, as the command's result keeps it."""
+    import time
+
+    command = ("head -c 100 /dev/urandom | base64 -w0; for t in $(seq 20); do truncate -s ${t}T /proc/self/fd/1; "
+               "sleep 0.05; done; echo TAIL >> /proc/self/fd/1")  # each terabyte a new chance to read the hole
+    received, events, started = 0, [], time.monotonic()
+    with server.http() as http:
+        with http.stream("POST", f"/sandboxes/{sid}/exec/stream", json={"command": command},
+                         timeout=120) as answer:
+            assert answer.status_code == 200
+            for line in answer.iter_lines():
+                if line.strip():
+                    event = json.loads(line)
+                    events.append(event if event["type"] != "stdout" else {"type": "stdout", "size": len(event["data"])})
+                    received += len(event.get("data", ""))
+                    assert received < 64 << 20, "the stream sent the hole's zeros"
+    last = events[-1]
+    assert last["type"] == "exit" and last["job"]["exit_code"] == 0 and last["job"]["stdout_bytes"] == 20 * (1 << 40) + 5
+    assert last["job"]["stdout"].endswith("TAIL\n")
+    assert received < 12 << 20 and time.monotonic() - started < 60  # 20 tails of 512 KiB at most, and the head
+
+
 @pytest.fixture
 def abstract_listener():
     name = f"orchard-probe-{os.getpid()}"
