@@ -177,6 +177,10 @@ class InternalError(OrchardError):
     error_type = "internal"
 
 
+class AnswerTooLarge(InternalError):
+    """An answer was larger than its caller's cap; it was not read whole."""
+
+
 ERRORS_BY_NAME: dict[str, type[OrchardError]] = {
     cls.__name__: cls
     for cls in [
@@ -184,7 +188,7 @@ ERRORS_BY_NAME: dict[str, type[OrchardError]] = {
         SandboxConflict, SandboxLost, SandboxNotReady, ImageRejected, QuotaExceeded,
         RuntimeUnavailable, BackendUnavailable, AgentUnreachable, FileOperationFailed,
         PayloadTooLarge, WaitTimeout, ExecTimeout, InternalError, SnapshotNotFound, Unsupported,
-        StoreUnavailable, StoreRecordDamaged,
+        StoreUnavailable, StoreRecordDamaged, AnswerTooLarge,
     ]
 }
 

@@ -17,11 +17,12 @@ from orchard.backends.loading import load_backend  # noqa: F401  (re-exported)
 from orchard.client.http import ApiClient, ScopedApi
 from orchard.client.pty import AsyncPty
 from orchard.client.session import AsyncShellSession
-from orchard.errors import CommandFailed, ExecTimeout, SandboxLost
+from orchard.errors import AnswerTooLarge, CommandFailed, ExecTimeout, PayloadTooLarge, SandboxLost
 from orchard.models import FileEntry, Job, PatchResult, Sandbox, SandboxSpec, Snapshot, SnapshotRequest
 
 Command = Union[str, list[str]]
 HTTP_MARGIN = 30.0
+DOWNLOAD_LIMIT = 1 << 30  # bytes a download reads into memory unless told otherwise
 RAW_UPLOAD_THRESHOLD = 1 << 20
 
 
@@ -150,10 +151,16 @@ class AsyncSandbox:
         body = {"path": path, "content": base64.b64encode(raw).decode(), "mode": mode}
         return (await self.api.request("POST", f"/sandboxes/{self.id}/files", json_body=body))["size"]
 
-    async def download(self, path: str) -> bytes:
-        """A file's bytes, streamed raw (``GET .../files/raw``)."""
-        return await self.api.request("GET", f"/sandboxes/{self.id}/files/raw", params={"path": path},
-                                      raw_response=True, timeout=HTTP_MARGIN * 10)
+    async def download(self, path: str, max_bytes: Optional[int] = DOWNLOAD_LIMIT) -> bytes:
+        """A file's bytes, streamed raw (``GET .../files/raw``), at most ``max_bytes`` of them
+        (None: no limit): a file the sandbox made (a sparse terabyte costs it one ``truncate``)
+        must not fill the caller's memory. Larger: PayloadTooLarge, nothing kept."""
+        try:
+            return await self.api.request("GET", f"/sandboxes/{self.id}/files/raw", params={"path": path},
+                                          raw_response=True, timeout=HTTP_MARGIN * 10, answer_cap=max_bytes)
+        except AnswerTooLarge:
+            raise PayloadTooLarge(f"{path} is larger than max_bytes={max_bytes}; pass a larger max_bytes "
+                                  f"(or None) to read it") from None
 
     async def list_files(self, path: str = ".") -> list[FileEntry]:
         """Every entry of a directory, sorted by name (fetched page by page)."""

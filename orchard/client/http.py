@@ -23,7 +23,7 @@ from urllib.parse import urlencode, urlsplit
 import aiohttp
 
 from orchard.client.lean_http import SAFE_HEADER_VALUE, SAFE_TARGET, LeanConnectionError, LeanPool
-from orchard.errors import AgentUnreachable, InternalError, OrchardError, error_from_body
+from orchard.errors import AgentUnreachable, AnswerTooLarge, InternalError, OrchardError, error_from_body
 
 TRANSIENT_STATUS = {502, 503, 504}
 TRANSIENT_ERRORS = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, LeanConnectionError)
@@ -47,7 +47,7 @@ async def _read_capped(response: aiohttp.ClientResponse, cap: Optional[int], whe
     async for chunk in response.content.iter_chunked(1 << 20):
         size += len(chunk)
         if size > cap:
-            raise InternalError(f"{where}: answered more than {cap} bytes; refused")
+            raise AnswerTooLarge(f"{where}: answered more than {cap} bytes; refused")
         chunks.append(chunk)
     return b"".join(chunks)
 
@@ -223,8 +223,8 @@ class ApiClient:
                     try:
                         status, payload = await self._lean_pool().send(lean, cap, limits.sock_read, CONNECT_TIMEOUT,
                                                                        retry_stale=idempotent)
-                    except InternalError as exc:  # the answer was over the cap
-                        raise InternalError(f"{self.url}{path}: {exc}") from None
+                    except AnswerTooLarge as exc:
+                        raise AnswerTooLarge(f"{self.url}{path}: {exc}") from None
                 else:
                     payload = _in_chunks(body) if isinstance(body, bytes) and len(body) > STREAM_ABOVE else body
                     async with self._open().request(method, url, data=payload, headers=all_headers,

@@ -19,7 +19,7 @@ from typing import Optional
 
 import httptools
 
-from orchard.errors import InternalError
+from orchard.errors import AnswerTooLarge
 
 IDLE_REUSE_SECONDS = 50.0  # both our servers keep an idle connection for 60 s
 SAFE_TARGET = re.compile(r"[A-Za-z0-9/_.~!$&'()*+,;=:@%?-]+")  # sent as is; anything else goes to aiohttp
@@ -114,7 +114,7 @@ class _Connection(asyncio.Protocol):
     def on_body(self, body: bytes) -> None:
         self.size += len(body)
         if self.cap is not None and self.size > self.cap:
-            self._fail(InternalError(f"answered more than {self.cap} bytes; refused"))
+            self._fail(AnswerTooLarge(f"answered more than {self.cap} bytes; refused"))
             return
         self.body.append(body)
 

@@ -10,7 +10,7 @@ import queue
 import threading
 from typing import Any, Awaitable, Callable, Iterator, Optional, TypeVar
 
-from orchard.client.aio import AsyncClient, AsyncSandbox, Command
+from orchard.client.aio import DOWNLOAD_LIMIT, AsyncClient, AsyncSandbox, Command
 from orchard.client.sync_pty import SyncPty, SyncShellSession
 from orchard.models import FileEntry, Job, PatchResult, Sandbox, Snapshot
 
@@ -110,8 +110,8 @@ class SyncSandbox:
     def upload(self, path: str, data: bytes | str, mode: Optional[int] = None) -> int:
         return self._portal.call(self._inner.upload(path, data, mode))
 
-    def download(self, path: str) -> bytes:
-        return self._portal.call(self._inner.download(path))
+    def download(self, path: str, max_bytes: Optional[int] = DOWNLOAD_LIMIT) -> bytes:
+        return self._portal.call(self._inner.download(path, max_bytes))
 
     def list_files(self, path: str = ".") -> list[FileEntry]:
         return self._portal.call(self._inner.list_files(path))

@@ -153,6 +153,27 @@ def test_a_sparse_terabyte_of_stdout_streams_as_head_and_tail_not_as_a_terabyte(
     assert received < 12 << 20 and time.monotonic() - started < 60  # 20 tails of 512 KiB at most, and the head
 
 
+def test_a_sparse_terabyte_file_is_refused_by_a_download_not_read_into_memory(server):
+    """``download`` reads at most ``max_bytes`` (1 GiB unless told) of a file the sandbox made."""
+    import resource
+    import time
+
+    from orchard.errors import PayloadTooLarge
+
+    with server.client() as client, client.create() as sandbox:
+        assert sandbox.exec("truncate -s 1T huge; head -c 5000 /dev/zero > five; head -c 4096 /dev/zero > four").exit_code == 0
+        started, peak = time.monotonic(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        with pytest.raises(PayloadTooLarge, match="max_bytes"):
+            sandbox.download("huge")
+        grew = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak  # KiB
+        assert time.monotonic() - started < 60 and grew < 3 << 20, f"the client grew {grew >> 10} MiB"
+        with pytest.raises(PayloadTooLarge):
+            sandbox.download("five", max_bytes=4096)
+        assert sandbox.download("four", max_bytes=4096) == bytes(4096)
+        assert sandbox.download("five", max_bytes=None) == bytes(5000)
+        assert sandbox.exec("echo still").stdout == "still\n"
+
+
 @pytest.fixture
 def abstract_listener():
     name = f"orchard-probe-{os.getpid()}"
