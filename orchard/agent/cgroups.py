@@ -216,14 +216,19 @@ class CgroupManager:
         self.agent_name = agent_name
         self.below_own = below_own
         self.mode, self.bases = self._detect()
-        # Trees below the agent's own cgroup go with it (a Slurm job's); the shared ones are claimed,
-        # where this agent can make any (a container's read-only cgroupfs: none, and no claim file).
+        # Trees below the agent's own cgroup go with it (a Slurm job's); the shared ones (all of
+        # them, or below_own, those of controllers the job does not constrain: a pilot's pids
+        # tree where Slurm sets no pids cgroup) are claimed, where this agent can make any (a
+        # container's read-only cgroupfs: none, and no claim file), so a later agent removes
+        # them should this one be killed.
+        roots = {V1_ROOT, *(V1_ROOT / controller for controller in self.bases)}  # v2's, and each v1 hierarchy's
+        self.shared = [base for base in self.bases.values() if base.parent.parent in roots]
         self.ownership = CgroupOwnership(agent_name)
-        if self.bases and not below_own and self._writable():
+        if self.shared and self._writable():
             self.ownership.hold()
 
     def _writable(self) -> bool:
-        return all(os.access(base.parent.parent, os.W_OK) for base in self.bases.values())
+        return all(os.access(base.parent.parent, os.W_OK) for base in self.shared)
 
     @property
     def available(self) -> bool:
@@ -295,14 +300,14 @@ class CgroupManager:
                     directory.rmdir()
                 except OSError:
                     break
-        self.ownership.release(forget=not any(base.exists() for base in self.bases.values()))
+        self.ownership.release(forget=not any(base.exists() for base in self.shared))
 
     def remove_dead_agents_trees(self, patience: float = 1.0) -> list[str]:
         """Remove the trees of agents on this host that died without cleaning up (see
         cgroup_owners.py). Only trees with no process left in them, and nothing is killed: an
         agent that could not take its claim (its predecessor on the state directory took more
         than a few seconds to exit) looks dead from here while it lives."""
-        if not self.bases or self.below_own:
+        if not self.shared:
             return []
 
         def remove(tree: Path) -> bool:
@@ -314,7 +319,7 @@ class CgroupManager:
                 time.sleep(0.05)
             return group.remove() or not tree.exists()
 
-        return self.ownership.remove_orphans(sorted({base.parent for base in self.bases.values()}), remove)
+        return self.ownership.remove_orphans(sorted({base.parent for base in self.shared}), remove)
 
     def leftovers(self) -> list[Path]:
         """Sandbox cgroups that still exist (for leak checks)."""

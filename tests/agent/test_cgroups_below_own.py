@@ -51,3 +51,58 @@ def test_an_agent_below_its_own_cgroup_leaves_that_cgroup_as_it_found_it():
             for directory in sorted((d for d in group.rglob("*") if d.is_dir()), key=lambda d: -len(d.parts)):
                 directory.rmdir()
             group.rmdir()
+
+
+KILLED_AGENT = """
+import os, sys, time
+from pathlib import Path
+for procs in sys.argv[2:]:
+    Path(procs).write_text(str(os.getpid()))
+from orchard.agent.cgroups import CgroupManager
+manager = CgroupManager(sys.argv[1], below_own=True)
+manager.create("sbx-1", memory=64 << 20, pids=32, cpus=None)
+print(" ".join(str(base) for base in manager.shared), flush=True)
+time.sleep(600)
+"""
+
+
+def test_the_shared_tree_of_a_killed_agent_below_its_own_cgroup_is_removed_by_the_next_agent():
+    """A pilot's memory cgroup is below its job's; its pids tree is at the hierarchy's root
+    where the job sets no pids cgroup (Slurm's default here). Killed with SIGKILL, it cannot
+    remove that tree: it now claims it, so the next agent to start on the host does."""
+    import signal
+
+    from orchard.agent.cgroups import CgroupManager
+
+    constrained = [c for c in CONTROLLERS if c != "pids"]
+    if "pids" not in CONTROLLERS or not constrained:
+        pytest.skip("needs the pids hierarchy and another")
+    job = [V1 / c / f"orchard-test-job-{uuid.uuid4().hex[:12]}" for c in constrained]  # no pids group: "/"
+    name = f"pilot-test-{uuid.uuid4().hex[:8]}"
+    for group in job:
+        group.mkdir()
+    agent = subprocess.Popen([sys.executable, "-c", KILLED_AGENT, name, *(str(g / "cgroup.procs") for g in job)],
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        shared = [Path(p) for p in agent.stdout.readline().split()]
+        assert shared == [V1 / "pids" / "orchard" / name]
+        assert (shared[0] / "sbx-1").is_dir()
+        agent.send_signal(signal.SIGKILL)
+        agent.wait(30)
+        assert shared[0].exists()  # nobody cleaned up
+        following = CgroupManager(f"next-{uuid.uuid4().hex[:8]}")
+        removed = following.remove_dead_agents_trees()
+        following.remove_bases()
+        assert name in removed and not shared[0].exists()
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+            agent.wait()
+        left = V1 / "pids" / "orchard" / name
+        for directory in sorted((d for d in left.rglob("*") if d.is_dir()), key=lambda d: -len(d.parts)) + [left]:
+            if directory.exists():  # a failed run's: nothing of it is left for the next
+                directory.rmdir()
+        for group in job:
+            for directory in sorted((d for d in group.rglob("*") if d.is_dir()), key=lambda d: -len(d.parts)):
+                directory.rmdir()
+            group.rmdir()
