@@ -173,3 +173,29 @@ def test_an_idle_agent_exits_and_the_next_call_starts_another():
     finally:
         stop_agent(settings)
         subprocess.run(["rm", "-rf", str(state)])
+
+
+def test_stop_agent_stops_an_agent_that_does_not_answer():
+    """An agent whose loop is stalled (a hostile command kept it busy; here SIGSTOP) failed the
+    health check, so stop_agent took it for gone and left it running with its sandboxes: four
+    such agents outlived their tests' state directories in one afternoon."""
+    import json
+
+    from orchard.agent.settings import AgentSettings
+    from orchard.backends.local.launcher import _pid_alive, ensure_agent, stop_agent
+
+    state = Path(f"/tmp/orchard-stalled-{os.getpid()}")
+    settings = AgentSettings(state_dir=state)
+    try:
+        ensure_agent(settings)
+        pid = int(json.loads((settings.agent_dir / "agent.json").read_text())["pid"])
+        os.kill(pid, signal.SIGSTOP)
+        started = time.monotonic()
+        assert stop_agent(settings, timeout=2.0)
+        while _pid_alive(pid) and time.monotonic() - started < 10:
+            time.sleep(0.05)
+        assert not _pid_alive(pid)
+        assert not stop_agent(settings)  # nothing left to stop; a reused pid is never taken for it
+    finally:
+        stop_agent(settings)
+        subprocess.run(["rm", "-rf", str(state)])

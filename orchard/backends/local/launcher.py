@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import fcntl
 import json
+import logging
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -21,6 +23,8 @@ from orchard import __version__
 from orchard.agent.settings import AgentSettings
 from orchard.backends.api import AgentEndpoint
 from orchard.errors import BackendUnavailable
+
+log = logging.getLogger(__name__)
 
 START_TIMEOUT = 30.0
 
@@ -61,6 +65,17 @@ def running_agent(settings: AgentSettings) -> Optional[dict]:
     return None
 
 
+def _agent_state_dir(pid: int) -> Optional[str]:
+    """The state directory of the local agent running as ``pid`` (None: not an agent)."""
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        if b"orchard.agent" not in argv:
+            return None
+        return json.loads(argv[argv.index(b"--settings-json") + 1])["state_dir"]
+    except (OSError, IndexError, KeyError, TypeError, ValueError):
+        return None
+
+
 def running_agents() -> list[dict]:
     """Every local agent running on this machine (found by its command line), with its
     ``agent.json`` and state directory: what `orchard agent status` lists."""
@@ -68,16 +83,12 @@ def running_agents() -> list[dict]:
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
-        try:
-            argv = (entry / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if b"orchard.agent" not in argv or b"--settings-json" not in argv:
+        state_dir = _agent_state_dir(int(entry.name))
+        if state_dir is None:
             continue
         try:
-            state_dir = json.loads(argv[argv.index(b"--settings-json") + 1])["state_dir"]
             info = running_agent(AgentSettings(state_dir=state_dir))
-        except (IndexError, KeyError, ValueError):
+        except ValueError:
             continue
         if info is not None and int(info["pid"]) == int(entry.name):
             found.append({**info, "state_dir": state_dir})
@@ -140,13 +151,20 @@ def _start(settings: AgentSettings) -> dict:
 
 
 def stop_agent(settings: AgentSettings, timeout: float = 20.0) -> bool:
-    """Stop this state directory's agent (its sandboxes are deleted); False if none ran."""
-    info = running_agent(settings)
-    if info is None:
+    """Stop this state directory's agent (its sandboxes are deleted); False if none ran. One
+    that does not answer (its loop stalled) is stopped too, and killed if it outlives ``timeout``."""
+    try:
+        pid = int(json.loads((settings.agent_dir / "agent.json").read_text())["pid"])
+    except (OSError, KeyError, TypeError, ValueError):
         return False
-    pid = int(info["pid"])
-    os.kill(pid, 15)
+    state_dir = _agent_state_dir(pid)  # the pid may have been reused since agent.json was written
+    if state_dir is None or Path(state_dir).resolve() != Path(settings.state_dir).resolve() or not _pid_alive(pid):
+        return False
+    os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and _pid_alive(pid):
         time.sleep(0.05)
+    if _pid_alive(pid):
+        log.warning("the agent of %s did not stop within %gs of SIGTERM; killing it", settings.state_dir, timeout)
+        os.kill(pid, signal.SIGKILL)
     return True
