@@ -310,19 +310,26 @@ class JobRunner:
                 if spool is None or spool.fd < 0:
                     continue
                 size = spool.size()
-                if spool.punched_to > offsets[name]:
-                    yield {"type": name, "data": f"\n[orchard: output skipped to {spool.punched_to}]\n"}
-                    offsets[name] = spool.punched_to
+                if size < offsets[name]:  # the command truncated its own output: go on from its end
+                    offsets[name] = size
+                    decoders[name].reset()
+                    yield {"type": name, "data": f"\n[orchard: output truncated to {size} by the command]\n"}
                 while offsets[name] < size:
                     keep = spool.limit // 2
+                    data_end = size
                     if offsets[name] >= keep and size - offsets[name] > keep:
-                        # Past the head and further behind than the tail keeps: the middle would be
-                        # punched out anyway, and may be a hole the command made at no cost to itself
-                        # (a terabyte of zeros from one truncate) that the stream would read and send.
-                        offsets[name] = size - keep
+                        # Past the head and further behind than the tail keeps: the middle is
+                        # punched out (or about to be), as the command's result keeps it.
+                        skip_to = size - keep
+                    else:  # a hole (a punched middle, or a truncate that grew the file) was never written
+                        skip_to, data_end = spool.data_from(offsets[name])
+                    if skip_to > offsets[name]:
+                        offsets[name] = min(skip_to, size)
                         decoders[name].reset()
                         yield {"type": name, "data": f"\n[orchard: output skipped to {offsets[name]}]\n"}
-                    chunk = spool.read_range(offsets[name], min(size - offsets[name], 1 << 16))
+                        continue
+                    length = min(max(1, min(data_end, size) - offsets[name]), 1 << 16)  # up to the next hole
+                    chunk = spool.read_range(offsets[name], length)
                     if not chunk:
                         break
                     offsets[name] += len(chunk)

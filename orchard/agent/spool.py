@@ -11,6 +11,7 @@ to the memory cgroup of the writer, i.e. the sandbox that produced them.
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
 from dataclasses import dataclass
 
@@ -36,6 +37,7 @@ class SpoolFile:
         self.limit = limit  # bytes kept: half from the head, half from the tail
         self.fd = fd if fd >= 0 else os.memfd_create(name, os.MFD_CLOEXEC)
         self.punched_to = 0
+        self._seeker = -1  # our own description of the file, for SEEK_DATA (see data_from)
 
     def size(self) -> int:
         return os.fstat(self.fd).st_size
@@ -43,6 +45,8 @@ class SpoolFile:
     def release_middle(self, keep_from: int | None = None) -> None:
         """Punch out bytes between the head and the tail (and before ``keep_from``)."""
         size = self.size()
+        if size < self.punched_to:  # the command truncated its output: punch what it writes anew
+            self.punched_to = 0
         head = self.limit // 2
         end = size - self.limit // 2 if keep_from is None else min(keep_from, size - self.limit // 2)
         start = max(head, self.punched_to)
@@ -54,6 +58,23 @@ class SpoolFile:
 
     def read_range(self, offset: int, length: int) -> bytes:
         return os.pread(self.fd, length, offset)
+
+    def data_from(self, offset: int) -> tuple[int, int]:
+        """The next stretch of bytes the command wrote, at or after ``offset``, as (start, end);
+        (size, size) when only a hole follows. A hole (a truncate that grew the file, a punched
+        middle) was never written and costs the command nothing to make; the kernel tells
+        holes from data a page at a time. Sought through a description of our own: the
+        command writes through the one we hold, at that description's offset."""
+        try:
+            if self._seeker < 0:
+                self._seeker = os.open(f"/proc/self/fd/{self.fd}", os.O_RDONLY | os.O_CLOEXEC)
+            start = os.lseek(self._seeker, offset, os.SEEK_DATA)
+            return start, os.lseek(self._seeker, start, os.SEEK_HOLE)
+        except OSError as exc:
+            if exc.errno == errno.ENXIO:  # nothing but a hole from there to the end
+                size = max(offset, self.size())
+                return size, size
+            return offset, self.size()  # no descriptor to spare (EMFILE): read on, holes and all
 
     def capture(self) -> Captured:
         size = self.size()
@@ -67,6 +88,9 @@ class SpoolFile:
         return Captured(head + marker + tail, size, True)
 
     def close(self) -> None:
+        if self._seeker >= 0:
+            os.close(self._seeker)
+            self._seeker = -1
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1

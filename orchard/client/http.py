@@ -22,7 +22,7 @@ from urllib.parse import urlencode, urlsplit
 
 import aiohttp
 
-from orchard.client.lean_http import SAFE_HEADER_VALUE, SAFE_TARGET, LeanConnectionError, LeanPool
+from orchard.client.lean_http import SAFE_HEADER_VALUE, SAFE_TARGET, LeanConnectionError, LeanPool, answer_cap
 from orchard.errors import AgentUnreachable, AnswerTooLarge, InternalError, OrchardError, error_from_body
 
 TRANSIENT_STATUS = {502, 503, 504}
@@ -41,8 +41,11 @@ MAX_JSON_ANSWER = 64 << 20  # an agent (in per-job mode, beside hostile code) mu
 
 
 async def _read_capped(response: aiohttp.ClientResponse, cap: Optional[int], where: str) -> bytes:
+    cap = answer_cap(cap, response.status)
     if cap is None:
         return await response.read()
+    if response.content_length is not None and response.content_length > cap:
+        raise AnswerTooLarge(f"{where}: answered more than {cap} bytes (its length: {response.content_length}); refused")
     chunks, size = [], 0
     async for chunk in response.content.iter_chunked(1 << 20):
         size += len(chunk)

@@ -27,6 +27,15 @@ SAFE_HEADER_VALUE = re.compile(r"[\x20-\x7e]*")
 MAX_HEAD = 64 << 10  # an answer's status line and headers (aiohttp: 8,190 bytes a line, 128 lines)
 
 
+ERROR_ANSWER_CAP = 1 << 20  # an error's body is a small JSON: read it whatever cap the caller set
+
+
+def answer_cap(cap: Optional[int], status: int) -> Optional[int]:
+    """The cap for an answer of this status: the caller's is for what it asked for, not for
+    an error's body, which tells what went wrong."""
+    return cap if cap is None or status < 400 else max(cap, ERROR_ANSWER_CAP)
+
+
 class LeanConnectionError(ConnectionError):
     """The connection failed before a whole answer arrived; ``sent_nothing_back`` says no
     byte of an answer came (then a reused connection was stale, and a retry is safe)."""
@@ -59,6 +68,7 @@ class _Connection(asyncio.Protocol):
         self.keep_alive = False  # read when the answer is complete: the parser forgets it after
         self.complete = False
         self.head_size = 0
+        self.length: Optional[int] = None  # the answer's Content-Length, when it says one
         self.last_data = self.loop.time()
 
     # -- asyncio.Protocol ----------------------------------------------------------
@@ -98,6 +108,8 @@ class _Connection(asyncio.Protocol):
     def on_header(self, name: bytes, value: bytes) -> None:
         if name.lower() in (b"content-length", b"transfer-encoding"):
             self.framed = True
+            if name.lower() == b"content-length" and value.strip().isdigit():
+                self.length = int(value)
 
     def on_message_begin(self) -> None:
         if self.complete:  # a second answer to one request
@@ -110,6 +122,9 @@ class _Connection(asyncio.Protocol):
             return
         self.headers_done = True
         self.until_close = not self.framed and status not in (204, 304)
+        self.cap = answer_cap(self.cap, status)
+        if self.cap is not None and self.length is not None and self.length > self.cap:
+            self._fail(AnswerTooLarge(f"answered more than {self.cap} bytes (its length: {self.length}); refused"))
 
     def on_body(self, body: bytes) -> None:
         self.size += len(body)
