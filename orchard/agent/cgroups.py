@@ -293,9 +293,10 @@ class CgroupManager:
     def remove_bases(self) -> None:
         """Remove this agent's (empty) cgroup directories when it stops. Below its own cgroup
         the ``orchard`` directory above them goes too: it is this agent's alone, and a Slurm
-        job whose task cgroup kept it could not remove its own tree at the job's end."""
+        job whose task cgroup kept it could not remove its own tree at the job's end. A shared
+        one stays: another agent may be making its tree there."""
         for base in self.bases.values():
-            for directory in (base, base.parent) if self.below_own else (base,):
+            for directory in (base,) if base in self.shared else (base, base.parent):
                 try:
                     directory.rmdir()
                 except OSError:

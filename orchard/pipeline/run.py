@@ -47,7 +47,7 @@ class PipelineConfig:
                 "(default: `seed`'s own): a study over seeds then varies SFT's and RL's training and sampling "
                 "alone, as seeds do over one data set and one pretrained checkpoint"})
     split_seed: Optional[int] = field(default=None, metadata={
-        "help": "hold out the variants this seed picks, whatever `seed` is (default: `seed`'s own): a study over "
+        "help": "hold out the variants this seed picks, whatever `seed` is (default: the world's, see world_seed): a study over "
                 "seeds then judges every seed on the same code shapes, and its spread is training's alone"})
     candidates: int = field(default=6, metadata={"help": "candidate fixes per task (chance = 1/this)"})
     rl_tasks: int = field(default=0, metadata={

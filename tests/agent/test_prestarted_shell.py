@@ -207,9 +207,10 @@ def test_a_sandbox_whose_env_changes_how_bash_starts_runs_each_command_fresh(age
 
 def test_an_agent_out_of_descriptors_runs_commands_the_plain_way_and_recovers(agent_settings):
     """A prestarted bash takes six descriptors the plain way does not; an agent that cannot
-    make them (EMFILE) runs the command without one, and prestarts again once it can. Made
-    real: the agent's descriptor limit lowered with prlimit, step by step, to below what it
-    holds plus what a prestarted bash needs."""
+    make them (EMFILE) runs the command without one (or answers with a typed error where
+    even that has no room), and prestarts again once it can. Made real: the agent's
+    descriptor limit lowered with prlimit, step by step, to below what it holds plus what a
+    prestarted bash needs."""
     import json
     import os
     import resource

@@ -228,8 +228,8 @@ def test_a_split_seed_holds_out_its_variants_from_sft_and_from_rl(kit_image, tmp
 
 def test_a_world_seed_gives_every_seed_the_same_tasks_and_base_model(kit_image, tmp_path):
     """Seeds over one world vary training alone, as seeds over one data set and one
-    pretrained checkpoint do (the expert's trajectories take ``config.world`` too); without it
-    a seed changes the world as well."""
+    pretrained checkpoint do; without it a seed changes the world as well. (The expert's
+    seed is ``config.world`` too, read in Pipeline.expert_trajectories, not run here.)"""
     import torch
 
     from orchard.pipeline.run import Pipeline, PipelineConfig

@@ -22,6 +22,7 @@ import copy
 import errno
 import json
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -57,6 +58,7 @@ WRITABLE = ("tmp", "workspace", "root", "home")
 MASKED = ("/proc/acpi", "/proc/asound", "/proc/kcore", "/proc/keys", "/proc/latency_stats", "/proc/timer_list",
           "/proc/timer_stats", "/proc/sched_debug", "/proc/scsi")  # (/sys/firmware too: the double shows no /sys)
 READ_ONLY = ("/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys", "/proc/sysrq-trigger")
+DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
 CGROUP_BASE = "orchard-k8s-test-kubelet"  # tmpfs in every pod; the rest of the image is read-only
 
 
@@ -307,6 +309,10 @@ class PodApiTestServer:
             return fault
         metadata = body.setdefault("metadata", {})
         name = metadata.get("name", "")
+        if not isinstance(name, str) or not DNS_SUBDOMAIN.fullmatch(name) or len(name) > 253:
+            # as the API server refuses it; here also what keeps ".." or "" out of the pod's cgroup paths
+            return status_body(422, "Invalid", f'{resource} "{name}" is invalid: metadata.name: a lowercase RFC 1123 '
+                                               "subdomain is required")
         if (resource, namespace, name) in self.objects:
             return status_body(409, "AlreadyExists", f'{resource} "{name}" already exists')
         metadata.update(namespace=namespace, uid=str(uuid.uuid4()), creationTimestamp=now())

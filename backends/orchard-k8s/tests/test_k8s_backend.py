@@ -174,6 +174,20 @@ def test_a_deleted_pod_leaves_no_cgroup_behind_even_with_a_sandbox_process_runni
     assert not [g for g in groups if g.exists()]
 
 
+@pytest.mark.parametrize("name", ["..", "", "Upper", "a/b"])
+def test_the_test_kubelet_refuses_pod_names_the_api_server_would(k8s_settings, pod_api, core_api, name):
+    """Review: a pod named ".." made the double's cgroup path the hierarchy's root, and its
+    teardown would have killed every process listed there."""
+    from kubernetes.client.exceptions import ApiException
+
+    with pytest.raises(ApiException) as refused:
+        core_api.create_namespaced_pod(k8s_settings["namespace"], {
+            "apiVersion": "v1", "kind": "Pod", "metadata": {"name": name},
+            "spec": {"containers": [{"name": "sandbox", "image": KIT_IMAGE}]}})
+    assert refused.value.status == 422
+    assert name not in pod_api._pods
+
+
 def test_a_create_asked_again_after_its_creator_died_finishes_or_starts_over(k8s_settings, pod_api, core_api):
     """Another server (a replica that died, or this one before a restart) made the pod and
     never saw it ready: a create of that sandbox asked again waits for the pod and adopts it;
