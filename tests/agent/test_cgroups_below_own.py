@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from orchard.agent.cgroups import SandboxCgroup
+
 V1 = Path("/sys/fs/cgroup")
 CONTROLLERS = [c for c in ("memory", "pids", "cpu") if (V1 / c / "cgroup.procs").exists()]
 
@@ -47,10 +49,7 @@ def test_an_agent_below_its_own_cgroup_leaves_that_cgroup_as_it_found_it():
         assert made and all(any(d.startswith(f"{g}/orchard/pilot-test/") for g in job) for d in made)
         assert [sorted(p.name for p in g.iterdir() if p.is_dir()) for g in job] == [[] for _ in job]
     finally:
-        for group in job:
-            for directory in sorted((d for d in group.rglob("*") if d.is_dir()), key=lambda d: -len(d.parts)):
-                directory.rmdir()
-            group.rmdir()
+        assert SandboxCgroup({g.parent.name: g for g in job}).remove()
 
 
 KILLED_AGENT = """
@@ -98,11 +97,6 @@ def test_the_shared_tree_of_a_killed_agent_below_its_own_cgroup_is_removed_by_th
         if agent.poll() is None:
             agent.kill()
             agent.wait()
-        left = V1 / "pids" / "orchard" / name
-        for directory in sorted((d for d in left.rglob("*") if d.is_dir()), key=lambda d: -len(d.parts)) + [left]:
-            if directory.exists():  # a failed run's: nothing of it is left for the next
-                directory.rmdir()
-        for group in job:
-            for directory in sorted((d for d in group.rglob("*") if d.is_dir()), key=lambda d: -len(d.parts)):
-                directory.rmdir()
-            group.rmdir()
+        if (V1 / "pids" / "orchard" / name).exists():  # a failed run's: nothing of it is left for the next
+            assert SandboxCgroup({"pids": V1 / "pids" / "orchard" / name}).remove()
+        assert SandboxCgroup({g.parent.name: g for g in job}).remove()

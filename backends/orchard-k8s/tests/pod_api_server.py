@@ -101,19 +101,14 @@ async def remove_pod_cgroups(name: str, patience: float = 5.0) -> None:
     """Kill whatever is left in the pod's cgroups and remove them, deepest first, as the
     kubelet does: the pod's process group is not all of it (the agent's sandboxes sit in
     their own groups), and a cgroup stays busy until its last process is reaped."""
-    groups = [Path("/sys/fs/cgroup") / controller / CGROUP_BASE / name for controller in ("memory", "cpu", "pids")]
+    from orchard.agent.cgroups import SandboxCgroup
+
+    pod = SandboxCgroup({c: Path("/sys/fs/cgroup") / c / CGROUP_BASE / name for c in ("memory", "cpu", "pids")})
     deadline = time.monotonic() + patience
     while True:
-        left = [g for g in groups if g.exists()]
-        for group in left:
-            for tree in sorted((d for d in group.rglob("*") if d.is_dir()), key=lambda d: -len(d.parts)) + [group]:
-                try:
-                    for pid in (tree / "cgroup.procs").read_text().split():
-                        os.kill(int(pid), signal.SIGKILL)
-                    tree.rmdir()
-                except OSError:
-                    pass
-        if not any(g.exists() for g in groups) or time.monotonic() > deadline:
+        pod.dirs = {c: d for c, d in pod.dirs.items() if d.exists()}
+        pod.kill_all()
+        if pod.remove() or time.monotonic() > deadline:
             return
         await asyncio.sleep(0.02)
 
