@@ -21,17 +21,17 @@ class PipelineInputError(ValueError):
     """A run that cannot start from what it was given (the CLI reports it as a usage error)."""
 
 
-def read_report(run_dir: Path) -> dict[str, Any]:
+def read_report(run_dir: Path, setting: str = "start_from") -> dict[str, Any]:
     """``run_dir``'s report.json, checked to be an object whose config is one."""
     path = Path(run_dir) / "report.json"
     try:
         report = json.loads(path.read_text())
     except FileNotFoundError:
-        raise PipelineInputError(f"start_from: {run_dir} has no report.json (not a finished run)") from None
+        raise PipelineInputError(f"{setting}: {run_dir} has no report.json (not a finished run)") from None
     except (OSError, ValueError) as exc:
-        raise PipelineInputError(f"start_from: {path} cannot be read: {exc}") from None
+        raise PipelineInputError(f"{setting}: {path} cannot be read: {exc}") from None
     if not isinstance(report, dict) or not isinstance(report.get("config", {}), dict):
-        raise PipelineInputError(f"start_from: {path} is not a pipeline report (an object with a config object)")
+        raise PipelineInputError(f"{setting}: {path} is not a pipeline report (an object with a config object)")
     return report
 
 

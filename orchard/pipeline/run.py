@@ -58,6 +58,10 @@ class PipelineConfig:
     start_from: Optional[Path] = field(default=None, metadata={
         "help": "an earlier run of the same seed and tasks: its base model, SFT weights and their evaluations are "
                 "reused, and only RL and what follows runs (with --seeds: its seed-N directories)"})
+    world_from: Optional[Path] = field(default=None, metadata={
+        "help": "an earlier run of this run's world (the same tasks, base model settings and expert): its base "
+                "model and expert trajectories are reused, and everything after them runs here, the base model's "
+                "evaluation included; a study over seeds with one world_seed builds its world once"})
     continue_rl: bool = field(default=False, metadata={
         "help": "with start_from: RL goes on from that run's RL weights (also the KL reference), on rl_tasks "
                 "further tasks generated after every RL task its chain of runs used; its evaluations are kept and "
@@ -90,12 +94,15 @@ class PipelineConfig:
     def __post_init__(self) -> None:
         self.output_dir = Path(self.output_dir)
         self.start_from = Path(self.start_from) if self.start_from else None
+        self.world_from = Path(self.world_from) if self.world_from else None
         if isinstance(self.model, dict):
             self.model = BaseModelConfig(**self.model)
         if self.rl_tasks < 0 or (self.rl_tasks and not 0 <= self.heldout_fraction < 1):
             raise ValueError("rl_tasks must be >= 0, and with rl_tasks heldout_fraction must be below 1")
         if self.continue_rl and not self.start_from:
             raise ValueError("continue_rl needs start_from: the run whose RL it continues")
+        if self.world_from and self.start_from:
+            raise ValueError("world_from and start_from exclude each other: start_from reuses the world as well")
         if self.sft_data not in SFT_DATA:
             raise ValueError(f"sft_data must be one of {', '.join(SFT_DATA)}, not {self.sft_data!r}")
 
@@ -141,10 +148,11 @@ class Pipeline:
                 model, tokenizer, results, earlier = self.reuse(config.start_from,
                                                                 "rl" if config.continue_rl else "sft")
             else:
-                model, tokenizer = self.base_model(train)
+                world = self.reuse_world(config.world_from) if config.world_from else None
+                model, tokenizer = world[:2] if world else self.base_model(train)
                 base_weights = copy.deepcopy(model.state_dict())
                 results = {"base": await self.evaluate("base", model, tokenizer, heldout)}
-                trajectories = await self.expert_trajectories(train)
+                trajectories = world[2] if world else await self.expert_trajectories(train)
                 examples = await self.credit(trajectories, train, config.sft_data)
                 self.sft(model, tokenizer, examples, "sft")
                 results["sft"] = await self.evaluate("sft", model, tokenizer, heldout)
@@ -267,9 +275,7 @@ class Pipeline:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         started = time.perf_counter()
-        tasks = earlier / "tasks.jsonl"
-        if not tasks.exists() or tasks.read_bytes() != (self.config.output_dir / "tasks.jsonl").read_bytes():
-            raise PipelineInputError(f"start_from: {earlier} was not run on this run's tasks (seed or task settings differ)")
+        self._same_tasks(earlier, "start_from")
         checkpoints = sorted((d for d in (earlier / stage).glob("checkpoint-*") if d.name[len("checkpoint-"):].isdigit()),
                              key=lambda d: int(d.name[len("checkpoint-"):]))
         report = earlier / "report.json"
@@ -300,6 +306,44 @@ class Pipeline:
                     note=f"base model, {'RL' if stage == 'rl' else 'SFT'} weights and their held-out "
                          "evaluations from an earlier run")
         return model, tokenizer, results, earlier_report
+
+    def _same_tasks(self, earlier: Path, setting: str) -> None:
+        tasks = earlier / "tasks.jsonl"
+        if not tasks.exists() or tasks.read_bytes() != (self.config.output_dir / "tasks.jsonl").read_bytes():
+            raise PipelineInputError(f"{setting}: {earlier} was not run on this run's tasks (seed or task settings differ)")
+
+    def reuse_world(self, earlier: Path) -> tuple[Any, Any, list]:
+        """The base model and expert trajectories of an ``earlier`` run of the same world:
+        refused unless its tasks are this run's and its base model and expert were made with
+        this run's settings (``world.json``, else its report's config)."""
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from orchard.train.credit import load_trajectories
+
+        started = time.perf_counter()
+        self._same_tasks(earlier, "world_from")
+        made_with = world_of_run(earlier)
+        differ = [name for name, value in world_settings(self.config).items() if made_with.get(name) != value]
+        if differ:
+            raise PipelineInputError(f"world_from: {earlier} made its world with other {', '.join(differ)} "
+                                     "than this run's")
+        if not (earlier / "base" / "config.json").is_file() or not (earlier / "expert.jsonl").is_file():
+            raise PipelineInputError(f"world_from: {earlier} has no base model and expert trajectories "
+                                     "(base/config.json and expert.jsonl)")
+        tokenizer = AutoTokenizer.from_pretrained(earlier / "base")
+        model = AutoModelForCausalLM.from_pretrained(earlier / "base").eval()
+        trajectories = load_trajectories(earlier / "expert.jsonl")
+        self._keep_base(model, tokenizer)
+        shutil.copyfile(earlier / "expert.jsonl", self.config.output_dir / "expert.jsonl")
+        self._keep_world()
+        self._stage("world reused", started, run=str(earlier), trajectories=len(trajectories),
+                    resolved=sum(t.resolved for t in trajectories),
+                    note="base model and expert trajectories from an earlier run of this world")
+        return model, tokenizer, trajectories
+
+    def _keep_world(self) -> None:
+        """Say what made this run's base model and expert data, for a run that reuses them."""
+        (self.config.output_dir / "world.json").write_text(json.dumps(world_settings(self.config), indent=2))
 
     def _keep_base(self, model: Any, tokenizer: Any) -> None:
         """Save this run's own copy of its base model, replacing whatever ``base`` was there
@@ -357,6 +401,7 @@ class Pipeline:
             samples = await engine.run(train, self.config.expert_attempts, progress=self.progress)
         trajectories = [trajectory_of(s) for s in samples if s.status.value == "completed"]
         save_jsonl((t.to_dict() for t in trajectories), self.config.output_dir / "expert.jsonl")
+        self._keep_world()
         self._stage("expert trajectories", started, trajectories=len(trajectories),
                     resolved=sum(t.resolved for t in trajectories))
         return trajectories
@@ -423,6 +468,32 @@ class Pipeline:
                     success_last=records[-1]["success_rate"] if records else None,
                     rollouts=sum(r["rollouts"] for r in records),
                     sandbox_errors=sum(r["sandbox_errors"] for r in records))
+
+
+def world_settings(config: PipelineConfig) -> dict[str, Any]:
+    """What, besides the tasks, makes a run's base model and expert trajectories."""
+    return json.loads(json.dumps({"world": config.world, "model": asdict(config.model), "base_model": config.base_model,
+                                  "expert": config.expert, "expert_attempts": config.expert_attempts}, default=str))
+
+
+def world_of_run(run_dir: Path) -> dict[str, Any]:
+    """The world settings a run wrote (``world.json``), or, for a run from before that file,
+    its report's config read with this version's defaults for what it does not name."""
+    path = run_dir / "world.json"
+    if path.exists():
+        try:
+            made_with = json.loads(path.read_text())
+        except (OSError, ValueError) as exc:
+            raise PipelineInputError(f"world_from: {path} cannot be read: {exc}") from None
+        if not isinstance(made_with, dict):
+            raise PipelineInputError(f"world_from: {path} is not an object")
+        return made_with
+    stored = read_report(run_dir, "world_from").get("config", {})
+    try:
+        config = PipelineConfig(**{k: v for k, v in stored.items() if k in PipelineConfig.__dataclass_fields__})
+    except (TypeError, ValueError) as exc:
+        raise PipelineInputError(f"world_from: {run_dir}/report.json has a config this version cannot read: {exc}") from None
+    return world_settings(config)
 
 
 def reused_models(earlier: Any, continue_rl: bool) -> list[str]:

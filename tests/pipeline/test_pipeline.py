@@ -133,6 +133,28 @@ def test_orchard_pipeline_runs_end_to_end_with_tiny_budgets(orchard_backend_sett
     assert "sft+rl" in rerun["results"] and rerun["stages"]["rl"]["steps"] == 2
     assert not {"base model", "expert trajectories", "sft"} & set(rerun["stages"])
     assert rerun["stages"]["reused"]["run"] == str(tmp_path / "run")
+    # another seed over that run's world: its base model and expert data reused, SFT and all after it run here
+    (tmp_path / "world.yaml").write_text(yaml.safe_dump({**config, "world_seed": 0, "world_from": str(tmp_path / "run")}))
+    seeded = CliRunner().invoke(cli, ["pipeline", "--config", str(tmp_path / "world.yaml"), "--seed", "1",
+                                      "--output", str(tmp_path / "seeded")])
+    assert seeded.exit_code == 0, seeded.output
+    over = json.loads((tmp_path / "seeded" / "report.json").read_text())
+    assert not {"base model", "expert trajectories"} & set(over["stages"]) and "sft" in over["stages"]
+    assert over["stages"]["world reused"]["trajectories"] == report["stages"]["expert trajectories"]["trajectories"]
+    assert set(over["results"]) == {"base", "sft", "sft+rl"}
+    for name in ("expert.jsonl", "base/model.safetensors", "world.json"):
+        assert (tmp_path / "seeded" / name).read_bytes() == (tmp_path / "run" / name).read_bytes(), name
+    for field, value in (("expert", {"p_correct": 0.9}), ("expert_attempts", 2), ("world_seed", 3)):
+        (tmp_path / "other-world.yaml").write_text(yaml.safe_dump({**config, field: value,
+                                                                   "world_from": str(tmp_path / "run")}))
+        other = CliRunner().invoke(cli, ["pipeline", "--config", str(tmp_path / "other-world.yaml"),
+                                         "--output", str(tmp_path / f"other-{field}")])
+        says = "tasks" if field == "world_seed" else field  # another world seed makes other tasks
+        assert other.exit_code == 2 and "world_from" in other.output and says in other.output, other.output
+    (tmp_path / "both.yaml").write_text(yaml.safe_dump({**config, "world_from": str(tmp_path / "run"),
+                                                        "start_from": str(tmp_path / "run")}))
+    both = CliRunner().invoke(cli, ["pipeline", "--config", str(tmp_path / "both.yaml")])
+    assert both.exit_code != 0 and "exclude each other" in both.output
     # another group sampler from that run's SFT weights, RL otherwise alike: an arm beside its BAR model
     (tmp_path / "arm.yaml").write_text(yaml.safe_dump({**config, "start_from": str(tmp_path / "run"),
                                                        "rl": {**config["rl"], "sampler": "dapo"}}))
