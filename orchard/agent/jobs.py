@@ -210,6 +210,8 @@ class JobRunner:
                 else:
                     kill()
                     await asyncio.to_thread(kill_marked, mark)
+                if spawner is not None:  # the next command's waiting process: the job's processes could reach it
+                    spawner.drop_prepared()
         finally:
             if sandbox.cgroup is not None:
                 sandbox.cgroup.release_job_dir(reserved)

@@ -46,7 +46,7 @@ import socket
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 from orchard.agent.cgroups import members
 from orchard.agent.process_marks import MARK, new_mark
@@ -208,10 +208,15 @@ class _Prepared:
     spawned: Spawned
     ctl: socket.socket
     shell: Optional[_WaitingShell] = None
+    kill_group: Optional[Callable[[], None]] = None  # SIGKILL everything in its job's group
 
     def discard(self) -> None:
+        """Kill it and whatever its group holds: a waiting bash is the sandbox's to reach
+        (same uid: ptrace, /proc/PID/fd), so processes may have been forked there."""
         self.spawned.kill()
         self.spawned.close()
+        if self.kill_group is not None:
+            self.kill_group()
         self.ctl.close()
         if self.shell is not None:
             self.shell.close()
@@ -315,6 +320,19 @@ class SpawnerClient:
         if self.alive and self._next is None:
             self._next = self._loop.create_task(self._prepare())
 
+    def drop_prepared(self) -> None:
+        """Kill the process waiting for the next command, with its job group, and prepare
+        anew later. Called when a job is killed: a prestarted bash is dumpable, so the killed
+        job's processes (same uid) could have started it early through /proc/PID/fd/3 and 4,
+        or ptrace, and forked into the next job's group, out of reach of their own job's kill."""
+        if self._next is None:
+            return
+        task, self._next = self._next, None
+        if task.done() and not task.cancelled() and task.exception() is None:
+            task.result().discard()  # now, not a turn of the loop later: before anything is prepared anew
+        else:
+            self._forget(task)  # in flight: its cancellation kills the child and its group (``_prepare_in``)
+
     def _forget(self, task: "asyncio.Task[_Prepared]") -> None:
         """Drop a preparation nobody will use: cancel it, or discard the child it made."""
         def discard(done: "asyncio.Task[_Prepared]") -> None:
@@ -352,15 +370,39 @@ class SpawnerClient:
             spawned = self._verified(pid, exited)
             spawned.cgroup = job_cgroup
             shell: Optional[_WaitingShell] = None
+            theirs_fds: tuple[int, ...] = ()  # the shell's descriptors only the child keeps, until sent
+            handed = verified = False  # the group's descriptor went out; the child's answer was read back
             try:
+                if self._shell_next and self.shell_env is not None:  # made first: failing here hands out no group
+                    payload, shell, theirs_fds = self._shell_request(self.shell_env)
+                # The placement and the shell's start go together (the child takes them in
+                # order): one wait for both answers. The placement is read back from the group
+                # before the shell is handed a command; until then nothing of a command runs
+                # there (the sandbox's own processes can reach the waiting bash: see ``drop_prepared``).
                 if job_cgroup is not None:
-                    await self._place(ours, spawned, job_cgroup)
+                    self._hand_group(ours, job_cgroup)
+                    handed = True
+                if shell is not None:
+                    sent, theirs_fds = theirs_fds, ()
+                    self._send_shell(ours, payload, shell, sent)
+                if job_cgroup is not None:
+                    await self._joined(ours, spawned, job_cgroup)
+                    verified = True
                 signal.pidfd_send_signal(spawned.pidfd, 0)  # still the same process
-                if self._shell_next and self.shell_env is not None:
-                    shell = await self._start_shell(ours, spawned, self.shell_env)
+                if shell is not None:
+                    await self._shell_started(ours, spawned)
             except BaseException as exc:
                 spawned.kill()  # before the group is released: a killed child starts no join (one in flight may land; its group then reads busy, or is killed with it)
                 spawned.close()
+                for fd in theirs_fds:
+                    os.close(fd)
+                if shell is not None:
+                    shell.close()
+                    shell.start.close()
+                if handed and job_cgroup is not None and self.cgroup is not None:
+                    self.cgroup.kill_all(job_cgroup)  # a shell it started is the sandbox's to reach (and fork from)
+                    if not verified:  # its descriptor went to a process that did not use it as asked
+                        self._retire_group(job_cgroup)
                 if isinstance(exc, OSError):
                     raise SpawnerUnavailable(f"could not place the command in its cgroup: {exc}") from None
                 raise
@@ -375,10 +417,14 @@ class SpawnerClient:
         self._watch_end(spawned)
         if shell is not None:
             ours.close()  # the shell's end closed as it started: one descriptor less per idle sandbox
-        return _Prepared(spawned, ours, shell)
+        group = self.cgroup
+        kill_group = (lambda: group.kill_all(job_cgroup)) if group is not None and job_cgroup is not None else None
+        return _Prepared(spawned, ours, shell, kill_group)
 
-    async def _start_shell(self, ctl: socket.socket, spawned: Spawned, env: dict[str, str]) -> _WaitingShell:
-        """Have the prepared child exec the waiting bash, with the next job's output files."""
+    def _shell_request(self, env: dict[str, str]) -> tuple[bytes, _WaitingShell, tuple[int, int]]:
+        """What the prepared child needs to exec the waiting bash with the next job's output
+        files: the request, the shell's descriptors the agent keeps, and the two only the
+        child keeps (stdin's /dev/null, the read end of the pipe it waits on)."""
         mark = new_mark()
         payload = _encoded(["bash", "-c", SHELL_WRAPPER, "bash"], {**env, MARK: mark}, "/")
         made: list[int] = []
@@ -392,33 +438,34 @@ class SpawnerClient:
                 os.close(fd)
             raise SpawnerUnavailable(f"no descriptors for a prestarted shell: {exc}") from None
         stdout, stderr, text, read_end, go, null = made
-        start = ShellStart(stdout, stderr, mark)
-        shell = _WaitingShell(go, text, start)
-        try:
-            try:
-                ctl.sendmsg([payload], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
-                                         array.array("i", [null, start.stdout, start.stderr, read_end, shell.text]))])
-            except OSError as exc:
-                raise SpawnerUnavailable(f"the prepared process is gone: {exc}") from None
-            finally:
-                os.close(null)
-                os.close(read_end)
-            taken = await self._readable(ctl, spawned.exited)
-            try:
-                acknowledged = taken and ctl.recv(1) == b"x"
-            except OSError:
-                acknowledged = False
-            if not acknowledged:
-                raise SpawnerUnavailable("the prepared process did not start its shell")
-        except BaseException:
-            shell.close()
-            start.close()
-            raise
-        return shell
+        return payload, _WaitingShell(go, text, ShellStart(stdout, stderr, mark)), (null, read_end)
 
-    async def _place(self, ctl: socket.socket, spawned: Spawned, job_cgroup: Path) -> None:
+    def _send_shell(self, ctl: socket.socket, payload: bytes, shell: _WaitingShell, theirs: tuple[int, ...]) -> None:
+        """Ask the prepared child to exec the waiting bash (its answer: ``_shell_started``);
+        ``theirs`` are closed here, sent or not."""
+        null, read_end = theirs
+        try:
+            ctl.sendmsg([payload], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
+                                     array.array("i", [null, shell.start.stdout, shell.start.stderr, read_end, shell.text]))])
+        except OSError as exc:
+            raise SpawnerUnavailable(f"the prepared process is gone: {exc}") from None
+        finally:
+            os.close(null)
+            os.close(read_end)
+
+    async def _shell_started(self, ctl: socket.socket, spawned: Spawned) -> None:
+        """The child's acknowledgement that it execs the shell."""
+        taken = await self._readable(ctl, spawned.exited)
+        try:
+            acknowledged = taken and ctl.recv(1) == b"x"
+        except OSError:
+            acknowledged = False
+        if not acknowledged:
+            raise SpawnerUnavailable("the prepared process did not start its shell")
+
+    def _hand_group(self, ctl: socket.socket, job_cgroup: Path) -> None:
         """Hand the prepared child its job group's ``tasks`` file; it writes "0" there (moving
-        itself) and answers "g". Whether it joined is read from the group, not believed.
+        itself) and answers "g" (read by ``_joined``).
 
         Invariant: the child is not dumpable from its fork until it has closed that descriptor
         (enter_spawner.c), so no process of the sandbox can take it (ptrace, /proc/PID/fd,
@@ -432,27 +479,24 @@ class SpawnerClient:
             raise SpawnerUnavailable(f"the prepared process is gone: {exc}") from None
         finally:
             os.close(fd)
-        answered = False
+
+    async def _joined(self, ctl: socket.socket, spawned: Spawned, job_cgroup: Path) -> None:
+        """The child's "g"; whether it joined is read from the group, not believed."""
+        if not await self._readable(ctl, spawned.exited):
+            if not spawned.exited.done():
+                self._unhealthy("a prepared process did not join its job's cgroup in time")
+            raise SpawnerUnavailable("the prepared process did not join its job's cgroup")
         try:
-            if not await self._readable(ctl, spawned.exited):
-                if not spawned.exited.done():
-                    self._unhealthy("a prepared process did not join its job's cgroup in time")
-                raise SpawnerUnavailable("the prepared process did not join its job's cgroup")
-            try:
-                answer = ctl.recv(1)
-            except OSError:
-                answer = b""
-            if answer != b"g":
-                raise SpawnerUnavailable("the prepared process could not join its job's cgroup")
-            if spawned.pid not in members(job_cgroup, "tasks"):  # its own thread, not just any of its threads
-                if await self._ends_within(spawned, DEATH_GRACE):  # the sandbox may kill it (same uid)
-                    raise SpawnerUnavailable("the prepared process died as it joined its job's cgroup")
-                self._unhealthy(f"process {spawned.pid} said it joined {job_cgroup.name} and did not")
-                raise SpawnerUnavailable("the prepared process is not in its job's cgroup")
-            answered = True
-        finally:
-            if not answered:  # its descriptor went to a process that did not use it as asked
-                self._retire_group(job_cgroup)
+            answer = ctl.recv(1)
+        except OSError:
+            answer = b""
+        if answer != b"g":
+            raise SpawnerUnavailable("the prepared process could not join its job's cgroup")
+        if spawned.pid not in members(job_cgroup, "tasks"):  # its own thread, not just any of its threads
+            if await self._ends_within(spawned, DEATH_GRACE):  # the sandbox may kill it (same uid)
+                raise SpawnerUnavailable("the prepared process died as it joined its job's cgroup")
+            self._unhealthy(f"process {spawned.pid} said it joined {job_cgroup.name} and did not")
+            raise SpawnerUnavailable("the prepared process is not in its job's cgroup")
 
     async def _ends_within(self, spawned: Spawned, seconds: float) -> bool:
         """Whether the process ends within ``seconds``: the kernel drops an exiting thread from
@@ -471,14 +515,38 @@ class SpawnerClient:
         return await self._ready(sock.fileno(), START_TIMEOUT, exited)
 
     async def _ready(self, fd: int, timeout: float, *also: "asyncio.Future[int]") -> bool:
-        """Wait until ``fd`` reads ready (True), or one of ``also`` is done or ``timeout`` passed."""
-        readable = self._loop.create_future()
-        self._loop.add_reader(fd, lambda: readable.done() or readable.set_result(None))
+        """Wait until ``fd`` reads ready (True), or one of ``also`` is done or ``timeout`` passed.
+        An answer already there is taken without a turn of the loop; otherwise one future woken
+        by the reader, the timer or ``also`` (``asyncio.wait`` costs a set, tasks and callbacks
+        more, three times per command)."""
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        if poller.poll(0):
+            return True
+        waiter = self._loop.create_future()
+        readable = False
+
+        def wake(*_: object) -> None:
+            if not waiter.done():
+                waiter.set_result(None)
+
+        def on_readable() -> None:
+            nonlocal readable
+            readable = True
+            wake()
+
+        self._loop.add_reader(fd, on_readable)
+        timer = self._loop.call_later(timeout, wake)
+        for future in also:
+            future.add_done_callback(wake)
         try:
-            await asyncio.wait([readable, *also], timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+            await waiter
         finally:
             self._loop.remove_reader(fd)
-        return readable.done()
+            timer.cancel()
+            for future in also:
+                future.remove_done_callback(wake)
+        return readable
 
     async def _take(self) -> _Prepared:
         """The prepared child, or a new one; one the sandbox killed while it waited (or while it

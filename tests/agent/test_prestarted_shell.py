@@ -126,6 +126,39 @@ def test_a_sandbox_process_meddling_with_the_waiting_shell_hurts_only_its_own_ne
         assert prestarted.exec("echo mine").stdout == "mine\n"  # the commands after it are its own again
 
 
+HIJACK = r"""
+for try in $(seq 100); do
+  for p in /proc/[0-9]*; do
+    grep -q 'read -r -u 3' $p/cmdline 2>/dev/null && [ $p != /proc/$$ ] && break 2
+  done
+  sleep 0.05
+done
+gdb -q -p ${p#/proc/} -batch -ex 'call (int)system("setsid bash -c \"exec -a MARKER sleep 1000\" </dev/null >/dev/null 2>&1 &")' >/tmp/gdb.out 2>&1
+echo "injected into ${p#/proc/}"
+sleep 300
+"""
+
+
+def test_a_killed_job_cannot_live_on_in_the_next_commands_waiting_shell(pair):
+    """Found in review: the waiting bash is dumpable (as any command is), so a job's process
+    can ptrace it (gdb here) and fork from it into the next job's group, out of reach of its
+    own job's kill; before the fix the fork outlived the job's timeout. A killed job now takes
+    the waiting process and everything in its group with it."""
+    import secrets
+    import subprocess
+
+    prestarted, _ = pair
+    marker = f"orchard-hijacked-{secrets.token_hex(4)}"
+    job = prestarted.exec(HIJACK.replace("MARKER", marker), timeout=10)
+    assert job.exit_code == 124 and "injected into" in job.stdout, job
+    assert "$1 = 0" in prestarted.exec("cat /tmp/gdb.out").stdout  # system() ran in the waiting shell
+    deadline = time.monotonic() + 5
+    while subprocess.run(["pgrep", "-f", marker], capture_output=True).returncode == 0:
+        assert time.monotonic() < deadline, "the fork from the waiting shell outlived the job's kill"
+        time.sleep(0.05)
+    assert prestarted.exec("echo mine").stdout == "mine\n"  # the next command runs in a shell of its own
+
+
 PREFILL = r"""
 import os, time
 done, deadline = set(), time.time() + 60
