@@ -323,22 +323,23 @@ class SpawnerClient:
     def drop_prepared(self) -> None:
         """Kill the process waiting for the next command, with its job group, and prepare
         anew later. Called when a job is killed: a prestarted bash is dumpable, so the killed
-        job's processes (same uid) could have started it early through /proc/PID/fd/3 and 4,
-        or ptrace, and forked into the next job's group, out of reach of their own job's kill."""
-        if self._next is None:
-            return
-        task, self._next = self._next, None
-        if task.done() and not task.cancelled() and task.exception() is None:
-            task.result().discard()  # now, not a turn of the loop later: before anything is prepared anew
-        else:
-            self._forget(task)  # in flight: its cancellation kills the child and its group (``_prepare_in``)
+        job's processes (same uid) could have ptraced it and forked into the next job's group,
+        out of reach of their own job's kill."""
+        if self._next is not None:
+            self._forget(self._next)
+            self._next = None
 
     def _forget(self, task: "asyncio.Task[_Prepared]") -> None:
-        """Drop a preparation nobody will use: cancel it, or discard the child it made."""
+        """Drop a preparation nobody will use: discard the child it made now (before anything
+        is prepared anew), or cancel it (its cancellation kills the child and its group,
+        ``_prepare_in``; one finishing meanwhile is discarded when it does)."""
         def discard(done: "asyncio.Task[_Prepared]") -> None:
             if not done.cancelled() and done.exception() is None:
                 done.result().discard()
 
+        if task.done():
+            discard(task)
+            return
         task.cancel()
         task.add_done_callback(discard)
 
