@@ -25,10 +25,14 @@ def open_socket(url: str, path: str, key: Optional[str] = None, *, via: str = "q
     if key and via == "header":
         extra["X-API-Key"] = key
     if url.startswith("unix://"):
-        return unix_connect(url.removeprefix("unix://"), f"ws://agent{path}{query}", subprotocols=protocols,
-                            additional_headers=extra, open_timeout=WAIT)
-    return connect(url.replace("http://", "ws://") + path + query, subprotocols=protocols,
-                   additional_headers=extra, open_timeout=WAIT)
+        connection = unix_connect(url.removeprefix("unix://"), f"ws://agent{path}{query}", subprotocols=protocols,
+                                  additional_headers=extra, open_timeout=WAIT)
+    else:
+        connection = connect(url.replace("http://", "ws://") + path + query, subprotocols=protocols,
+                             additional_headers=extra, open_timeout=WAIT)
+    # Entered as its own context: websockets 17.1 deprecates using a bare connect(); the
+    # tests read each socket to its close (the server's) or drop it with the test.
+    return connection.__enter__()
 
 
 class Frames:
