@@ -157,13 +157,22 @@ class JobRunner:
         command = shell_argv(placement.shell, request.command_text(), request.login_shell)
         mark = new_mark()
         env = {**placement.env, **request.env, MARK: mark}
-        record.stdout = SpoolFile("stdout", self.max_output_bytes)
-        record.stderr = SpoolFile("stderr", self.max_output_bytes)
         stdin_fd = -1
         if request.stdin is not None:
             stdin_fd = os.memfd_create("stdin", os.MFD_CLOEXEC)
             os.write(stdin_fd, request.stdin.encode())
             os.lseek(stdin_fd, 0, os.SEEK_SET)
+
+        def fresh_stdio() -> tuple[int, int, int]:
+            """New output files (dropping what a failed start wrote) and the command's stdio;
+            made only where used: a prestarted bash comes with its own."""
+            for spool in (record.stdout, record.stderr):
+                if spool is not None:
+                    spool.close()
+            record.stdout = SpoolFile("stdout", self.max_output_bytes)
+            record.stderr = SpoolFile("stderr", self.max_output_bytes)
+            return stdin_fd if stdin_fd >= 0 else _dev_null(), record.stdout.fd, record.stderr.fd
+
         spawned: Optional[Spawned] = None
         reserved: Optional[Path] = None
         try:
@@ -172,22 +181,17 @@ class JobRunner:
                 try:
                     plain = (placement.shell == "bash" and not request.login_shell and not request.env
                              and request.stdin is None)  # what a prestarted bash runs as bash -c would
-                    spawned = await spawner.spawn(
-                        command, env, cwd, (stdin_fd if stdin_fd >= 0 else _dev_null(), record.stdout.fd, record.stderr.fd),
-                        shell_command=request.command_text() if plain else None)
+                    spawned = await spawner.spawn(command, env, cwd, fresh_stdio,
+                                                  shell_command=request.command_text() if plain else None)
                     job_cgroup = spawned.cgroup
-                    if spawned.shell is not None:  # it wrote to the files it was started with
-                        record.stdout.close()
-                        record.stderr.close()
+                    if spawned.shell is not None:  # it writes to the files it was started with
                         record.stdout = SpoolFile("stdout", self.max_output_bytes, spawned.shell.stdout)
                         record.stderr = SpoolFile("stderr", self.max_output_bytes, spawned.shell.stderr)
                         mark = spawned.shell.mark
                 except SpawnerUnavailable as exc:
                     log.warning("sandbox %s: %s; running the command through orchard-enter", sandbox.sandbox_id, exc)
-                    for spool in (record.stdout, record.stderr):  # drop what a failed start wrote
-                        spool.close()
-                    record.stdout = SpoolFile("stdout", self.max_output_bytes)
-                    record.stderr = SpoolFile("stderr", self.max_output_bytes)
+            if spawned is None:
+                fresh_stdio()
             if spawned is not None:
                 record.pid = spawned.pid
                 exited, kill = spawned.exited, spawned.kill

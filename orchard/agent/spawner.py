@@ -586,15 +586,16 @@ class SpawnerClient:
         raise SpawnerUnavailable("the prepared process died before its command, twice")
 
     # -- starting a command ---------------------------------------------------------
-    async def spawn(self, argv: list[str], env: dict[str, str], cwd: str, stdio: tuple[int, int, int],
+    async def spawn(self, argv: list[str], env: dict[str, str], cwd: str, stdio: Callable[[], tuple[int, int, int]],
                     shell_command: Optional[str] = None) -> Spawned:
         """Start ``argv`` in a prepared process (already in its job's cgroup: ``Spawned.cgroup``).
-        ``shell_command``: the command, where ``argv`` is ``bash -c`` of it with the sandbox's
-        own environment and no stdin: a prestarted bash may run it instead (then
-        ``Spawned.shell`` names the output files it wrote to, not ``stdio``'s).
+        ``stdio`` makes the command's stdin, stdout and stderr, called only where they are
+        used: ``shell_command`` is the command, where ``argv`` is ``bash -c`` of it with the
+        sandbox's own environment and no stdin, and a prestarted bash may run it instead (then
+        ``Spawned.shell`` names the output files it was started with).
         Raises SpawnerUnavailable when it did not start (nothing of it runs then)."""
-        payload = _encoded(argv, env, cwd)
         text = _shell_text(cwd, shell_command) if shell_command is not None and self.shell_env is not None else None
+        payload = _encoded(argv, env, cwd) if text is None else None  # too long: refused before a process is taken
         self._shell_next = text is not None  # prepare the kind this sandbox's requests need
         prepared = await self._take()
         if prepared.shell is not None and text is not None:
@@ -607,8 +608,11 @@ class SpawnerClient:
                 raise SpawnerUnavailable("the spawner prepared a shell for a command it cannot run")
         ctl, spawned = prepared.ctl, prepared.spawned
         try:
+            if payload is None:  # a plain process, prepared before this sandbox's requests turned to shells
+                payload = _encoded(argv, env, cwd)
+            fds = stdio()
             try:
-                ctl.sendmsg([payload], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", stdio))])
+                ctl.sendmsg([payload], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
             except OSError as exc:
                 raise SpawnerUnavailable(f"the prepared process is gone: {exc}") from None
             taken = await self._readable(ctl, spawned.exited)

@@ -6,6 +6,7 @@ import logging
 
 import uvicorn
 
+from orchard.gc_tuning import tune_for_service
 from orchard.server.app import create_app
 from orchard.server.config import ServerConfig
 from orchard.server.observability import Metrics, configure_logging
@@ -30,6 +31,7 @@ def serve(config: ServerConfig) -> None:
         log.warning("no API key set: every caller is trusted (set --api-key or ORCHARD_API_KEY)")
     log.info("starting", extra={"fields": {"host": config.host, "port": config.port, "backend": config.backend.name,
                                            "state": str(config.state)}})
+    tune_for_service()
     # proxy_headers off: nothing here reads the client's address, and rewriting it cost
     # about 2% of the server's CPU per call
     uvicorn.run(app, host=config.host, port=config.port, log_level="warning", access_log=False,

@@ -205,7 +205,7 @@ def test_a_preparation_failing_beside_a_running_command_leaves_that_command_alon
         holder.start()
         stdio = (os.open("/dev/null", os.O_RDONLY),) * 3
         try:
-            spawned = await client.spawn(["true"], {}, "/", stdio)
+            spawned = await client.spawn(["true"], {}, "/", lambda: stdio)
             code = await asyncio.wait_for(spawned.exited, START_TIMEOUT + 5)
             taking = client.alive
             await asyncio.sleep(0)
@@ -443,7 +443,7 @@ def test_a_hijacked_holder_cannot_make_the_agent_act_outside_the_sandbox(tmp_pat
         stdio = (os.open("/dev/null", os.O_RDONLY),) * 3
         try:
             with pytest.raises((SpawnerUnavailable, SpawnerLost)):
-                await client.spawn(["true"], {}, "/", stdio)
+                await client.spawn(["true"], {}, "/", lambda: stdio)
         finally:
             os.close(stdio[0])
             client.close()
@@ -468,7 +468,7 @@ def test_a_holder_gone_while_the_process_is_prepared_is_a_typed_refusal_not_a_ca
             loop = asyncio.get_running_loop()
             loop.call_later(0.2, theirs.close)  # the holder goes away before its child says hello
             with pytest.raises(SpawnerUnavailable):
-                await client.spawn(["true"], {}, "/", stdio)
+                await client.spawn(["true"], {}, "/", lambda: stdio)
         finally:
             os.close(stdio[0])
             client.close()
@@ -506,7 +506,7 @@ def test_a_preparation_that_failed_with_nobody_waiting_is_replaced_for_the_next_
             client.prepare()  # as after a command
             await asyncio.sleep(0.3)  # its process died before its hello
             with pytest.raises(SpawnerUnavailable):
-                await client.spawn(["true"], {}, "/", stdio)
+                await client.spawn(["true"], {}, "/", lambda: stdio)
         finally:
             client.close()
             os.close(stdio[0])
