@@ -20,12 +20,15 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from orchard.pipeline.chain import PipelineInputError, dig, read_report, rl_rounds_of_run, rl_tasks_used
 from orchard.pipeline.model import BaseModelConfig
 from orchard.pipeline.names import SAMPLERS, rl_model, rl_rounds, slug
 from orchard.train.memory import memory_mb
+
+if TYPE_CHECKING:
+    from orchard.train.rl_config import RLConfig
 
 SYSTEM = "You fix bugs in a git repository. Reply with one ```bash block per turn; a block holding only submit ends."
 
@@ -49,6 +52,10 @@ class PipelineConfig:
     split_seed: Optional[int] = field(default=None, metadata={
         "help": "hold out the variants this seed picks, whatever `seed` is (default: the world's, see world_seed): a study over "
                 "seeds then judges every seed on the same code shapes, and its spread is training's alone"})
+    rl_seed: Optional[int] = field(default=None, metadata={
+        "help": "RL's task order, initialization and sampling (default: `seed`'s own; evaluation keeps `seed`'s): "
+                "with start_from, one seed's SFT weights trained by another seed's RL, to tell what a seed's RL "
+                "result owes to its SFT model from what it owes to RL's own draws"})
     candidates: int = field(default=6, metadata={"help": "candidate fixes per task (chance = 1/this)"})
     rl_tasks: int = field(default=0, metadata={
         "help": "training-split tasks generated for RL alone, after the others (never seen by the expert or SFT); "
@@ -85,6 +92,11 @@ class PipelineConfig:
     eval_attempts: int = field(default=2, metadata={"help": "attempts per held-out task and model"})
     temperature: float = field(default=1.0, metadata={"help": "sampling temperature (training and evaluation)"})
     concurrency: int = field(default=16, metadata={"help": "rollout sandboxes at once"})
+
+    @property
+    def rl_randomness(self) -> int:
+        """The seed of RL's draws (``rl_seed``, else ``seed``)."""
+        return self.seed if self.rl_seed is None else self.rl_seed
 
     @property
     def world(self) -> int:
@@ -366,10 +378,11 @@ class Pipeline:
         return RolloutEngine(self.client, policy, EngineConfig(max_concurrent=self.config.concurrency,
                                                                rollout=rollout, grade=grade))
 
-    def _policy(self, model: Any, tokenizer: Any, salt: int) -> Any:
+    def _policy(self, model: Any, tokenizer: Any, salt: int, seed: Optional[int] = None) -> Any:
         from orchard.rollout.policies.huggingface import HuggingFacePolicy
 
-        return HuggingFacePolicy(model, tokenizer, temperature=self.config.temperature, seed=self.config.seed * 101 + salt)
+        seed = self.config.seed if seed is None else seed
+        return HuggingFacePolicy(model, tokenizer, temperature=self.config.temperature, seed=seed * 101 + salt)
 
     async def evaluate(self, name: str, model: Any, tokenizer: Any, heldout: list) -> dict:
         from orchard.rollout.evaluation import summarize
@@ -452,14 +465,18 @@ class Pipeline:
                     loss_first=round(records[0]["loss"], 3) if records else None,
                     loss_last=round(records[-1]["loss"], 3) if records else None)
 
-    async def rl(self, model: Any, tokenizer: Any, train: list, sampler: str, name: str) -> None:
+    def rl_config(self, name: str, sampler: str) -> "RLConfig":
         from orchard.train.rl_config import RLConfig
+
+        return RLConfig(output_dir=self.config.output_dir / name, seed=self.config.rl_randomness,
+                        **{**self.config.rl, "sampler": sampler})
+
+    async def rl(self, model: Any, tokenizer: Any, train: list, sampler: str, name: str) -> None:
         from orchard.train.rl_trainer import RLTrainer
 
         started = time.perf_counter()
-        config = RLConfig(output_dir=self.config.output_dir / name, seed=self.config.seed,
-                          **{**self.config.rl, "sampler": sampler})
-        async with self._engine(self._policy(model, tokenizer, 7)) as engine:
+        config = self.rl_config(name, sampler)
+        async with self._engine(self._policy(model, tokenizer, 7, self.config.rl_randomness)) as engine:
             trainer = RLTrainer(model, engine, train, config, pad_id=tokenizer.pad_token_id)
             records = await trainer.train(progress=self.progress)
         model.eval()
@@ -513,8 +530,8 @@ def rl_arms(config: PipelineConfig, ablations: bool) -> tuple[str, list[str]]:
     return sampler, [s for s in SAMPLERS if s != sampler] if ablations else []
 
 
-ARM_SETTINGS = ("tasks", "heldout_fraction", "world_seed", "split_seed", "candidates", "rl_tasks", "rollout", "eval_attempts",
-                "temperature")  # what RL and its evaluation saw, besides the rl settings
+ARM_SETTINGS = ("tasks", "heldout_fraction", "world_seed", "split_seed", "rl_seed", "candidates", "rl_tasks", "rollout",
+                "eval_attempts", "temperature")  # what RL and its evaluation saw, besides the rl settings
 
 
 def arm_of(earlier: Any, config: PipelineConfig) -> bool:

@@ -236,3 +236,19 @@ def test_an_arm_run_from_a_studys_sft_weights_is_compared_with_its_models_only_w
                                                  "results": {"sft+rl": {}, "sft+rl (dapo)": {}}}))
     finished = replace(config, seed=0, output_dir=run, start_from=tmp_path / "bar" / "seed-0")
     assert _finished(finished, ablations=False) is not None and _finished(finished, ablations=True) is None
+
+
+def test_rl_seed_sets_rls_draws_and_leaves_evaluation_on_the_runs_seed(tmp_path):
+    """A cross design (one seed's SFT weights, another seed's RL) needs RL's task order,
+    initialization and sampling from ``rl_seed``, and the evaluation's sampling from ``seed``
+    (paired with the SFT model's evaluation of that seed)."""
+    from orchard.pipeline.run import Pipeline, PipelineConfig, arm_of
+
+    crossed = Pipeline(PipelineConfig(output_dir=tmp_path / "seed-1", seed=1, rl_seed=0), progress=False)
+    plain = Pipeline(PipelineConfig(output_dir=tmp_path / "plain", seed=1), progress=False)
+    assert crossed.rl_config("rl", "bar").seed == 0 and plain.rl_config("rl", "bar").seed == 1
+    assert crossed.config.rl_randomness == 0 and plain.config.rl_randomness == 1
+    # RL with other draws is not an arm of a run (an arm differs in its group sampler only)
+    earlier = {"config": {**plain.report["config"], "rl": {**plain.config.rl, "sampler": "dapo"}}}
+    assert arm_of(earlier, plain.config)
+    assert not arm_of(earlier, crossed.config)
