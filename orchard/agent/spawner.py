@@ -59,7 +59,9 @@ log = logging.getLogger(__name__)
 SPAWNER_FD = 5  # the holder's end, as the holder sees it (``--spawner 5``)
 PAYLOAD_MAX = 60 * 1024  # enter_spawner.c's SPAWN_PAYLOAD_MAX: longer requests go the old way
 START_TIMEOUT = 2.0  # seconds for the holder to fork and the child to say who it is, or to take its command
-REPORT_GRACE = 2.0  # seconds between the command's end (pidfd) and the holder's report
+REPORT_GRACE = 10.0  # seconds between the command's end (pidfd) and the holder's report; 2 s ran out once on an
+# overloaded machine (load 30+ on 2 cores) and failed a rollout; a holder that died closes its socket (SpawnerLost
+# at once), so this wait only bounds a live holder that is late or stuck, and costs nothing on the usual path
 DEATH_GRACE = 0.1  # seconds for a child missing from its group to show it died (not lied)
 _UCRED = struct.Struct("iII")
 

@@ -16,6 +16,7 @@ import shutil
 import signal
 import socket
 import struct
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -223,6 +224,70 @@ def test_a_preparation_failing_beside_a_running_command_leaves_that_command_alon
         command.kill()
     assert events["next_request"] == b"2"  # the preparation that went unanswered
     assert result == {"code": 7, "taking": False, "reading": False}  # reported; then retired and closed
+
+
+def _holder_reporting_after(sock: socket.socket, command: subprocess.Popen, delay: float | None,
+                            events: dict) -> None:
+    """Start one command (``command``, a real process), and report its end ``delay`` seconds
+    after it ended, or never (None): a holder the scheduler starved, or one gone silent."""
+    sock.settimeout(10)
+    _, ancdata, _, _ = sock.recvmsg(64, socket.CMSG_SPACE(4))
+    with socket.socket(fileno=_descriptors(ancdata)[0]) as ctl:
+        ctl.sendmsg([b"p"], [(socket.SOL_SOCKET, socket.SCM_CREDENTIALS, struct.pack("iII", command.pid, 0, 0))])
+        ctl.settimeout(10)
+        _, command_fds, _, _ = ctl.recvmsg(1024, socket.CMSG_SPACE(12))
+        for fd in _descriptors(command_fds):
+            os.close(fd)
+        ctl.send(b"x")
+    code = command.wait(10)
+    if delay is not None:
+        time.sleep(delay)
+        sock.send(b"exit 1 %d" % code)
+    events["done"].wait(20)
+
+
+@pytest.mark.parametrize("delay", [1.5, None], ids=["late", "never"])
+def test_an_exit_report_is_awaited_for_its_grace_then_the_command_is_lost(monkeypatch, delay):
+    """The command's end is seen through its pidfd; the holder's report of its exit code may
+    come later (on an overloaded machine it came over 2 s later: session 24). Within
+    REPORT_GRACE it is the command's result; a report that never comes fails it as
+    SpawnerLost after the grace, never a hang, and the sandbox's commands go the old way."""
+    from orchard.agent import spawner as spawner_module
+
+    monkeypatch.setattr(spawner_module, "REPORT_GRACE", 3.0)
+    command = subprocess.Popen(["sh", "-c", "sleep 0.2; exit 3"], start_new_session=True)
+    events = {"done": threading.Event()}
+
+    async def main() -> tuple[object, float, bool]:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        client = SpawnerClient(ours, os.getpid())
+        holder = threading.Thread(target=_holder_reporting_after, args=(theirs, command, delay, events))
+        holder.start()
+        stdio = (os.open("/dev/null", os.O_RDONLY),) * 3
+        try:
+            spawned = await client.spawn(["true"], {}, "/", lambda: stdio)
+            started = time.monotonic()
+            try:
+                outcome: object = await asyncio.wait_for(spawned.exited, 10)
+            except SpawnerLost as exc:
+                outcome = exc
+            return outcome, time.monotonic() - started, client.alive
+        finally:
+            os.close(stdio[0])
+            client.close()
+            events["done"].set()
+            await asyncio.to_thread(holder.join, 10)
+            theirs.close()
+
+    try:
+        outcome, waited, alive = asyncio.run(main())
+    finally:
+        command.kill()
+    if delay is not None:
+        assert outcome == 3 and alive, (outcome, waited)
+    else:
+        assert isinstance(outcome, SpawnerLost) and "never said how" in str(outcome)
+        assert 3.0 <= waited < 8 and not alive, waited
 
 
 def _children(pid: int) -> list[str]:
