@@ -24,7 +24,7 @@ from orchard.agent.app import create_app
 from orchard.agent.environment import restore
 from orchard.agent.service import AgentService
 from orchard.agent.settings import AgentSettings
-from orchard.gc_tuning import tune_for_service
+from orchard.gc_tuning import tune_after_startup
 
 
 def load_or_create_token(settings: AgentSettings) -> str:
@@ -94,7 +94,7 @@ def serve(settings: AgentSettings, uds: Optional[Path] = None, host: str = "127.
             os.replace(staging, info_path)
 
     server.startup = startup  # type: ignore[method-assign]
-    tune_for_service()
+    tune_after_startup(server)
     try:
         server.run()
     finally:

@@ -595,9 +595,10 @@ class SpawnerClient:
         used: ``shell_command`` is the command, where ``argv`` is ``bash -c`` of it with the
         sandbox's own environment and no stdin, and a prestarted bash may run it instead (then
         ``Spawned.shell`` names the output files it was started with).
-        Raises SpawnerUnavailable when it did not start (nothing of it runs then)."""
+        Raises SpawnerUnavailable when it did not start (nothing of it runs then), and what
+        ``stdio`` raises (OSError: no descriptors) likewise with nothing started."""
         text = _shell_text(cwd, shell_command) if shell_command is not None and self.shell_env is not None else None
-        payload = _encoded(argv, env, cwd) if text is None else None  # too long: refused before a process is taken
+        payload = _encoded(argv, env, cwd) if text is None else None  # too long: refused before a process is taken (but see below)
         self._shell_next = text is not None  # prepare the kind this sandbox's requests need
         prepared = await self._take()
         if prepared.shell is not None and text is not None:
@@ -610,7 +611,7 @@ class SpawnerClient:
                 raise SpawnerUnavailable("the spawner prepared a shell for a command it cannot run")
         ctl, spawned = prepared.ctl, prepared.spawned
         try:
-            if payload is None:  # a plain process, prepared before this sandbox's requests turned to shells
+            if payload is None:  # a plain process, prepared before this sandbox's requests turned to shells (too long: it is discarded)
                 payload = _encoded(argv, env, cwd)
             fds = stdio()
             try:

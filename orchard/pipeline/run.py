@@ -53,7 +53,7 @@ class PipelineConfig:
         "help": "hold out the variants this seed picks, whatever `seed` is (default: the world's, see world_seed): a study over "
                 "seeds then judges every seed on the same code shapes, and its spread is training's alone"})
     rl_seed: Optional[int] = field(default=None, metadata={
-        "help": "RL's task order, initialization and sampling (default: `seed`'s own; evaluation keeps `seed`'s): "
+        "help": "RL's task order and sampling (default: `seed`'s own; evaluation keeps `seed`'s): "
                 "with start_from, one seed's SFT weights trained by another seed's RL, to tell what a seed's RL "
                 "result owes to its SFT model from what it owes to RL's own draws"})
     candidates: int = field(default=6, metadata={"help": "candidate fixes per task (chance = 1/this)"})
@@ -530,8 +530,8 @@ def rl_arms(config: PipelineConfig, ablations: bool) -> tuple[str, list[str]]:
     return sampler, [s for s in SAMPLERS if s != sampler] if ablations else []
 
 
-ARM_SETTINGS = ("tasks", "heldout_fraction", "world_seed", "split_seed", "rl_seed", "candidates", "rl_tasks", "rollout",
-                "eval_attempts", "temperature")  # what RL and its evaluation saw, besides the rl settings
+ARM_SETTINGS = ("seed", "tasks", "heldout_fraction", "world_seed", "split_seed", "candidates", "rl_tasks", "rollout",
+                "eval_attempts", "temperature")  # what RL and its evaluation saw, besides the rl settings and RL's draws
 
 
 def arm_of(earlier: Any, config: PipelineConfig) -> bool:
@@ -548,8 +548,12 @@ def arm_of(earlier: Any, config: PipelineConfig) -> bool:
     def but_sampler(rl: dict) -> dict:
         return {k: v for k, v in rl.items() if k != "sampler"}
 
+    def rl_draws(settings: dict) -> Any:  # ``rl_randomness`` of a stored config (before rl_seed: its seed)
+        return settings.get("seed") if settings.get("rl_seed") is None else settings.get("rl_seed")
+
     return (theirs["rl"].get("sampler", "bar") != ours["rl"].get("sampler", "bar")
             and but_sampler(theirs["rl"]) == but_sampler(ours["rl"])
+            and rl_draws(theirs) == config.rl_randomness
             and all(theirs.get(key) == ours[key] for key in ARM_SETTINGS))
 
 

@@ -6,7 +6,7 @@ import logging
 
 import uvicorn
 
-from orchard.gc_tuning import tune_for_service
+from orchard.gc_tuning import tune_after_startup
 from orchard.server.app import create_app
 from orchard.server.config import ServerConfig
 from orchard.server.observability import Metrics, configure_logging
@@ -14,6 +14,7 @@ from orchard.server.reconciler import Reconciler
 from orchard.server.service import ServerService
 
 log = logging.getLogger("orchard.server")
+STARTUP_FAILURE = 3  # uvicorn's exit status for a server that did not start
 
 
 def build_app(config: ServerConfig):
@@ -31,8 +32,15 @@ def serve(config: ServerConfig) -> None:
         log.warning("no API key set: every caller is trusted (set --api-key or ORCHARD_API_KEY)")
     log.info("starting", extra={"fields": {"host": config.host, "port": config.port, "backend": config.backend.name,
                                            "state": str(config.state)}})
-    tune_for_service()
     # proxy_headers off: nothing here reads the client's address, and rewriting it cost
     # about 2% of the server's CPU per call
-    uvicorn.run(app, host=config.host, port=config.port, log_level="warning", access_log=False,
-                timeout_keep_alive=60, backlog=4096, log_config=None, proxy_headers=False)
+    server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
+                                           access_log=False, timeout_keep_alive=60, backlog=4096, log_config=None,
+                                           proxy_headers=False))
+    tune_after_startup(server)
+    try:
+        server.run()
+    except KeyboardInterrupt:
+        pass
+    if not server.started:  # as uvicorn.run: its exit status when it could not start (a port in use)
+        raise SystemExit(STARTUP_FAILURE)

@@ -248,7 +248,11 @@ def test_rl_seed_sets_rls_draws_and_leaves_evaluation_on_the_runs_seed(tmp_path)
     plain = Pipeline(PipelineConfig(output_dir=tmp_path / "plain", seed=1), progress=False)
     assert crossed.rl_config("rl", "bar").seed == 0 and plain.rl_config("rl", "bar").seed == 1
     assert crossed.config.rl_randomness == 0 and plain.config.rl_randomness == 1
-    # RL with other draws is not an arm of a run (an arm differs in its group sampler only)
+    # An arm differs from the run it starts from in its group sampler only: not in RL's draws
+    # (the seed RL used, whether set as rl_seed or as seed), nor in evaluation's (seed).
     earlier = {"config": {**plain.report["config"], "rl": {**plain.config.rl, "sampler": "dapo"}}}
     assert arm_of(earlier, plain.config)
     assert not arm_of(earlier, crossed.config)
+    assert arm_of(earlier, PipelineConfig(output_dir=tmp_path / "same-draws", seed=1, rl_seed=1))
+    assert not arm_of(earlier, PipelineConfig(output_dir=tmp_path / "other-seed", seed=0))
+    assert not arm_of(earlier, PipelineConfig(output_dir=tmp_path / "other-seed-same-rl", seed=0, rl_seed=1))
