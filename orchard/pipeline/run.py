@@ -18,7 +18,7 @@ import random
 import shutil
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -34,6 +34,7 @@ SYSTEM = "You fix bugs in a git repository. Reply with one ```bash block per tur
 
 
 SFT_DATA = ("credit", "credit-all", "resolved")
+RL_NAMES = ("variant", "fresh")
 
 
 @dataclass
@@ -60,6 +61,11 @@ class PipelineConfig:
     rl_tasks: int = field(default=0, metadata={
         "help": "training-split tasks generated for RL alone, after the others (never seen by the expert or SFT); "
                 "0: RL draws from SFT's own training tasks"})
+    rl_names: str = field(default="variant", metadata={
+        "help": "variant (RL's own tasks name functions as the suite does: each variant from its own three "
+                "names) | fresh (every function of RL's own tasks named from a pool no variant uses: a name "
+                "seen in training then never tells where the bug is, as on held-out variants, so RL rewards "
+                "reading the call path; needs rl_tasks)"})
     base_model: Optional[str] = field(default=None, metadata={"help": "a Hugging Face checkpoint instead of the "
                                                                      "small model built here"})
     start_from: Optional[Path] = field(default=None, metadata={
@@ -115,6 +121,10 @@ class PipelineConfig:
             raise ValueError("continue_rl needs start_from: the run whose RL it continues")
         if self.world_from and self.start_from:
             raise ValueError("world_from and start_from exclude each other: start_from reuses the world as well")
+        if self.rl_names not in RL_NAMES:
+            raise ValueError(f"rl_names must be one of {', '.join(RL_NAMES)}, not {self.rl_names!r}")
+        if self.rl_names == "fresh" and not self.rl_tasks:
+            raise ValueError("rl_names: fresh needs rl_tasks (it names RL's own tasks; SFT's are the suite's)")
         if self.sft_data not in SFT_DATA:
             raise ValueError(f"sft_data must be one of {', '.join(SFT_DATA)}, not {self.sft_data!r}")
 
@@ -243,7 +253,8 @@ class Pipeline:
         total = config.tasks + wanted
         while True:
             fresh = [t for t in generate_suite(total, config.world, image, config.heldout_fraction,
-                                                    split_seed=config.split_seed)[config.tasks:]
+                                               split_seed=config.split_seed,
+                                               fresh_names=config.rl_names == "fresh")[config.tasks:]
                      if t.split == "train"]
             if len(fresh) >= wanted:
                 break
@@ -251,7 +262,7 @@ class Pipeline:
         tasks = choice_suite(fresh[skip:wanted], config.candidates, config.world)
         save_tasks(tasks, config.output_dir / "rl-tasks.jsonl")
         self._stage("rl tasks", started, tasks=len(tasks), after_earlier_runs=skip,
-                    note="training split, generated after the suite's tasks")
+                    names=config.rl_names, note="training split, generated after the suite's tasks")
         return tasks
 
     def base_model(self, train: list) -> tuple[Any, Any]:
@@ -530,8 +541,16 @@ def rl_arms(config: PipelineConfig, ablations: bool) -> tuple[str, list[str]]:
     return sampler, [s for s in SAMPLERS if s != sampler] if ablations else []
 
 
-ARM_SETTINGS = ("seed", "tasks", "heldout_fraction", "world_seed", "split_seed", "candidates", "rl_tasks", "rollout",
-                "eval_attempts", "temperature")  # what RL and its evaluation saw, besides the rl settings and RL's draws
+ARM_SETTINGS = ("seed", "tasks", "heldout_fraction", "world_seed", "split_seed", "candidates", "rl_tasks", "rl_names",
+                "rollout", "eval_attempts", "temperature")  # what RL and its evaluation saw, besides rl settings and draws
+
+
+def stored_setting(settings: dict, key: str) -> Any:
+    """``key`` of a stored config; one written before ``key`` existed has its default."""
+    if key in settings:
+        return settings[key]
+    default = next(f for f in fields(PipelineConfig) if f.name == key)
+    return default.default_factory() if default.default is MISSING else default.default
 
 
 def arm_of(earlier: Any, config: PipelineConfig) -> bool:
@@ -554,7 +573,7 @@ def arm_of(earlier: Any, config: PipelineConfig) -> bool:
     return (theirs["rl"].get("sampler", "bar") != ours["rl"].get("sampler", "bar")
             and but_sampler(theirs["rl"]) == but_sampler(ours["rl"])
             and rl_draws(theirs) == config.rl_randomness
-            and all(theirs.get(key) == ours[key] for key in ARM_SETTINGS))
+            and all(stored_setting(theirs, key) == ours[key] for key in ARM_SETTINGS))
 
 
 def model_names(config: PipelineConfig, ablations: bool, rounds: int, earlier: Any) -> tuple[str, dict[str, str], bool]:

@@ -20,13 +20,22 @@ PACKAGES = ["ledger", "tally", "beacon", "quarry", "harbor", "meadow", "lantern"
 MODULES = ["core", "util", "stats", "text", "series", "records", "calc", "helpers", "formatting", "metrics",
            "parsing", "reports", "tools", "grading", "timing", "convert", "summary", "checks"]
 LEVEL_MODULES = {"easy": (2, 2), "medium": (3, 4), "hard": (4, 5)}
+# Fresh names: verb_noun pairs no variant uses (checked in the tests), for tasks whose function
+# names must tell nothing: a training variant's own three names let a policy find the bug by a
+# name it has seen instead of by reading the call path, which is all a held-out variant allows.
+_FRESH_VERBS = ("scan", "fold", "pick", "rank", "trim", "sift", "weigh", "probe", "stack", "blend",
+                "gauge", "track", "chart", "sweep", "tag", "mend", "pack", "sort", "bind", "pool")
+_FRESH_NOUNS = ("batch", "spans", "marks", "cells", "ticks", "bins", "runs", "notes", "lots", "units",
+                "slots", "tiles", "keys", "cards", "logs", "rows", "grid", "queue", "trail", "stock")
+FRESH_NAMES = tuple(f"{verb}_{noun}" for verb in _FRESH_VERBS for noun in _FRESH_NOUNS)
 
 
 class NameBook:
-    """Hands out function names that are unique within one repository."""
+    """Hands out function names that are unique within one repository: a variant's own names,
+    or with ``fresh`` names from ``FRESH_NAMES`` whatever the variant."""
 
-    def __init__(self, rng: random.Random) -> None:
-        self.rng, self.used = rng, set()
+    def __init__(self, rng: random.Random, fresh: bool = False) -> None:
+        self.rng, self.used, self.fresh = rng, set(), fresh
 
     def take(self, pool: tuple[str, ...], private: bool = False) -> str:
         options = list(pool)
@@ -39,9 +48,12 @@ class NameBook:
         raise AssertionError("ran out of names")
 
     def names_for(self, variant: Variant) -> dict[str, str]:
-        names = {"HELPER": self.take(variant.helper_names), "CALLER": self.take(variant.caller_names)}
+        def pool(own: tuple[str, ...]) -> tuple[str, ...]:
+            return FRESH_NAMES if self.fresh else own
+
+        names = {"HELPER": self.take(pool(variant.helper_names)), "CALLER": self.take(pool(variant.caller_names))}
         if variant.aux_names:
-            names["AUX"] = self.take(variant.aux_names, private=True)
+            names["AUX"] = self.take(pool(variant.aux_names), private=True)
         return names
 
 
@@ -134,8 +146,9 @@ class _Layout:
     by_module: dict[str, list[Placed]]
 
 
-def _lay_out(variant: Variant, level: str, rng: random.Random, distractors: list[Variant]) -> _Layout:
-    book = NameBook(rng)
+def _lay_out(variant: Variant, level: str, rng: random.Random, distractors: list[Variant],
+             fresh_names: bool) -> _Layout:
+    book = NameBook(rng, fresh_names)
     package = rng.choice(PACKAGES)
     low, high = LEVEL_MODULES[level]
     modules = rng.sample(MODULES, rng.randint(low, high))
@@ -163,14 +176,16 @@ def _lay_out(variant: Variant, level: str, rng: random.Random, distractors: list
     return _Layout(package, modules, helper, caller, extra, by_module)
 
 
-def build_repo(variant: Variant, level: str, rng: random.Random, distractors: list[Variant]) -> Repo:
+def build_repo(variant: Variant, level: str, rng: random.Random, distractors: list[Variant],
+               fresh_names: bool = False) -> Repo:
     """The repository of one task: ``variant``'s bug at ``level``, other variants as correct code.
 
     Tests: the symptom function (the helper at easy, else its caller) on all its cases; at
     medium and hard also the helper on the cases the bug does not change; each distractor on
     a few cases. A test whose expected outcome differs under the bug is fail-to-pass.
+    ``fresh_names``: every function named from ``FRESH_NAMES`` (see there).
     """
-    layout = _lay_out(variant, level, rng, distractors)
+    layout = _lay_out(variant, level, rng, distractors, fresh_names)
     helper, caller, package = layout.helper, layout.caller, layout.package
     symptom = caller or helper
     groups: list[tuple[Placed, list[Case]]] = [(symptom, variant.caller_cases(rng) if caller

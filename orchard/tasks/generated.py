@@ -25,7 +25,10 @@ Levels:
 - ``hard``: 4-5 modules; the public function lives in another module than the bug, and the
   issue only describes the symptom in words (no values).
 
-Names (package, modules, functions) and numbers come from the seed, so tasks differ.
+Names (package, modules, functions) and numbers come from the seed, so tasks differ. A
+variant's functions take one of its own three names; with ``fresh_names`` every function is
+named from a pool no variant uses (``gen_repo.FRESH_NAMES``), so no name tells where the bug
+is (RL's tasks in the pipeline, see ``PipelineConfig.rl_names``).
 
 Split rule: held out by *variant*. From the seed (or ``split_seed``, when given),
 ``round(heldout_fraction * 18)`` variants (at least one when the fraction is positive, at
@@ -102,10 +105,10 @@ def problem_statement(repo: Repo, variant: Variant, level: str, rng: random.Rand
 
 
 def generate_task(index: int, seed: int, variant: Variant, level: str, split: str, image: str,
-                  distractors: list[Variant], workdir: str = "/workspace") -> Task:
+                  distractors: list[Variant], workdir: str = "/workspace", fresh_names: bool = False) -> Task:
     """One task: ``variant``'s bug at ``level``; names and numbers drawn from (seed, index)."""
     rng = random.Random(f"orchard-task:{seed}:{index}")
-    repo = build_repo(variant, level, rng, distractors)
+    repo = build_repo(variant, level, rng, distractors, fresh_names)
     return Task(
         task_id=f"gen-{seed}-{index:05d}-{variant.family}",
         image=image,
@@ -125,15 +128,18 @@ def generate_task(index: int, seed: int, variant: Variant, level: str, split: st
         command_timeout_seconds=60.0,
         metadata={"generator": "orchard.tasks.generated", "generator_version": GENERATOR_VERSION, "seed": seed,
                   "index": index, "family": variant.family, "variant": variant.name, "bug_file": repo.bug_path,
-                  "symptom": f"{repo.package}.{repo.symptom.module}.{repo.symptom.name}"},
+                  "symptom": f"{repo.package}.{repo.symptom.module}.{repo.symptom.name}",
+                  **({"names": "fresh"} if fresh_names else {})},
     )
 
 
 def generate_suite(n: int, seed: int, image: str, heldout_fraction: float = 0.2,
-                   workdir: str = "/workspace", split_seed: Optional[int] = None) -> list[Task]:
+                   workdir: str = "/workspace", split_seed: Optional[int] = None,
+                   fresh_names: bool = False) -> list[Task]:
     """``n`` tasks, the same for the same arguments (see the module docstring for the split).
     ``split_seed``: hold out the variants of that seed instead of ``seed``'s, so suites of
-    several seeds (a study's) are judged on the same code shapes."""
+    several seeds (a study's) are judged on the same code shapes. ``fresh_names``: see the
+    module docstring."""
     if n < 0:
         raise ValueError(f"n must be >= 0; got {n}")
     heldout = heldout_variants(seed if split_seed is None else split_seed, heldout_fraction)
@@ -154,5 +160,5 @@ def generate_suite(n: int, seed: int, image: str, heldout_fraction: float = 0.2,
         else:
             variant = picker.choice(by_family[FAMILIES[(k // len(LEVELS)) % len(FAMILIES)]])
             distractors = train
-        tasks.append(generate_task(index, seed, variant, level, split, image, distractors, workdir))
+        tasks.append(generate_task(index, seed, variant, level, split, image, distractors, workdir, fresh_names))
     return tasks

@@ -343,3 +343,38 @@ def test_a_run_keeps_its_own_base_model_replacing_a_link_or_stale_files_never_wr
     kept = {p.name for p in (tmp_path / "run" / "base").iterdir()}
     assert "config.json" in kept and "stale.safetensors" not in kept
     assert not [p for p in (tmp_path / "run").iterdir() if p.name.startswith(".base-")]
+
+
+def test_fresh_rl_names_leave_no_name_of_a_variant_in_rls_call_paths_and_the_suite_as_it_was(kit_image, tmp_path):
+    """On training variants a function's name (one of its variant's three) tells where the bug
+    is; held-out variants' names are never seen, so only the call path's last frame does. RL on
+    fresh-named tasks rewards reading that frame, not remembering names."""
+    import re
+
+    from orchard.pipeline.run import Pipeline, PipelineConfig
+    from orchard.tasks.bugs import VARIANTS
+
+    own = {n for v in VARIANTS for n in (*v.helper_names, *v.caller_names)}
+
+    def pools(out, **settings):
+        pipeline = Pipeline(PipelineConfig(output_dir=tmp_path / out, tasks=16, rl_tasks=9, image=kit_image,
+                                           **settings), progress=False)
+        return pipeline.make_tasks(), pipeline.make_rl_tasks(), pipeline
+
+    (train, heldout), named, _ = pools("variant")
+    (train_f, heldout_f), fresh, pipeline = pools("fresh", rl_names="fresh")
+    assert (train_f, heldout_f) == (train, heldout)
+    assert [t.task_id for t in fresh] == [t.task_id for t in named] and fresh != named
+
+    def frames(task):
+        return re.findall(r"in (\w+) \(candidate (\d+)\)", task.problem_statement)
+
+    assert all(frames(t) and {name for name, _ in frames(t)} <= own for t in named)
+    for task in fresh:
+        found = frames(task)
+        assert found and not {name for name, _ in found} & own, found
+        assert found[-1][1] == task.metadata["choice"]["fix"]  # the last frame still holds the fix
+    assert pipeline.report["stages"]["rl tasks"]["names"] == "fresh"
+    for bad, message in (({"rl_names": "fresh"}, "needs rl_tasks"), ({"rl_names": "odd", "rl_tasks": 2}, "rl_names")):
+        with pytest.raises(ValueError, match=message):
+            PipelineConfig(output_dir=tmp_path / "bad", **bad)

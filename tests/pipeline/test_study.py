@@ -256,3 +256,15 @@ def test_rl_seed_sets_rls_draws_and_leaves_evaluation_on_the_runs_seed(tmp_path)
     assert arm_of(earlier, PipelineConfig(output_dir=tmp_path / "same-draws", seed=1, rl_seed=1))
     assert not arm_of(earlier, PipelineConfig(output_dir=tmp_path / "other-seed", seed=0))
     assert not arm_of(earlier, PipelineConfig(output_dir=tmp_path / "other-seed-same-rl", seed=0, rl_seed=1))
+
+
+def test_an_arm_needs_the_same_rl_names_and_an_older_report_without_them_had_the_variants_own(tmp_path):
+    from orchard.pipeline.run import PipelineConfig, arm_of
+
+    plain = PipelineConfig(output_dir=tmp_path / "plain", rl_tasks=8)
+    stored = json.loads(json.dumps({**plain.__dict__, "rl": {**plain.rl, "sampler": "dapo"}}, default=str))
+    assert arm_of({"config": stored}, plain)
+    older = {k: v for k, v in stored.items() if k != "rl_names"}  # written before rl_names existed
+    assert arm_of({"config": older}, plain)
+    assert not arm_of({"config": older}, replace(plain, rl_names="fresh"))
+    assert arm_of({"config": {**stored, "rl_names": "fresh"}}, replace(plain, rl_names="fresh"))

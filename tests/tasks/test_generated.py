@@ -179,3 +179,39 @@ def test_a_split_seed_holds_out_the_same_variants_for_every_seed():
     assert {(v.family, v.name) for v in heldout_variants(1, 0.25)} != wanted  # so the split did move
     own = generate_suite(40, 1, "host", heldout_fraction=0.25)
     assert generate_suite(40, 1, "host", heldout_fraction=0.25, split_seed=1) == own  # its own seed: unchanged
+
+
+def _function_names(task) -> set[str]:
+    from orchard.pipeline.choice import functions
+
+    return {name for path, source in task.files.items()
+            if path.endswith(".py") and not path.startswith("tests/") for name in functions(source)}
+
+
+def test_fresh_names_name_no_function_as_any_variant_does_and_the_tasks_still_work(tmp_path):
+    from orchard.tasks.gen_repo import FRESH_NAMES
+
+    own = {n for v in VARIANTS for n in (*v.helper_names, *v.caller_names, *v.aux_names)}
+    assert len(set(FRESH_NAMES)) == len(FRESH_NAMES) >= 100 and not set(FRESH_NAMES) & own
+    assert all(name.isidentifier() for name in FRESH_NAMES)
+    fresh = generate_suite(60, seed=11, image="host", fresh_names=True)
+    assert [(t.task_id, t.split, t.tags) for t in fresh] == [(t.task_id, t.split, t.tags) for t in SUITE]
+    for task in fresh:
+        names = {n.lstrip("_") for n in _function_names(task)}
+        assert names <= set(FRESH_NAMES) | {f"{n}_{k}" for n in FRESH_NAMES for k in range(2, 4)}, names
+        assert task.metadata["names"] == "fresh" and task.metadata["symptom"].rsplit(".", 1)[1] in names
+    # the suite's own names are untouched by the option (its tasks are what earlier runs reuse)
+    assert all("names" not in t.metadata for t in SUITE)
+    assert all(_function_names(t) & own for t in SUITE)
+    # a fresh-named task is a working task: the bug fails its tests, the reference patch fixes it
+    by_level = {t.difficulty: t for t in fresh if t.split == "train"}
+    for level, task in by_level.items():
+        (tmp_path / level).mkdir()
+        test_the_bug_fails_the_listed_tests_and_the_reference_patch_fixes_them(task, tmp_path / level)
+
+
+def test_every_variant_builds_with_fresh_names_at_every_level():
+    for index, variant in enumerate(VARIANTS):
+        for level in LEVELS:
+            task = generate_task(index, 3, variant, level, "train", "host", VARIANTS, fresh_names=True)
+            assert task.fail_to_pass and task.pass_to_pass and not set(task.fail_to_pass) & set(task.pass_to_pass)
