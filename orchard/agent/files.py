@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import logging
 import os
 import signal
 import socket
@@ -25,6 +26,7 @@ from pathlib import PurePosixPath
 from typing import TYPE_CHECKING, AsyncIterator, Optional
 
 from orchard.agent.jobs import settle_holder
+from orchard.download_cut import DownloadCut
 from orchard.errors import FileOperationFailed, PayloadTooLarge, RuntimeUnavailable, SandboxLost, SandboxNotReady
 from orchard.models import FileEntry
 
@@ -32,6 +34,8 @@ if TYPE_CHECKING:
     from orchard.agent.reaper import ChildReaper
     from orchard.agent.runtimes.api import IsolationRuntime
     from orchard.agent.sandbox import Placement, SandboxState
+
+log = logging.getLogger("orchard.agent")
 
 FILE_ERROR_EXIT = 3  # enter_files.c: the operation failed, the reason is on stderr
 HELPER_FAILED_EXIT = 125
@@ -109,7 +113,9 @@ class _ReadStream:
             if chunk:
                 return chunk
             if await self.run.exited != 0 and not self.done:
-                raise await self.files._failure(self.run, self.full)
+                failure = await self.files._failure(self.run, self.full)
+                log.warning("sandbox %s: a download was cut short: %s", self.files.sandbox.sandbox_id, failure)
+                raise DownloadCut(str(failure)) from failure
         except BaseException:
             self.finish()
             raise

@@ -24,6 +24,7 @@ from orchard.agent.app import create_app
 from orchard.agent.environment import restore
 from orchard.agent.service import AgentService
 from orchard.agent.settings import AgentSettings
+from orchard.download_cut import quiet_download_cuts
 from orchard.gc_tuning import tune_after_startup
 
 
@@ -78,6 +79,7 @@ def serve(settings: AgentSettings, uds: Optional[Path] = None, host: str = "127.
                             timeout_graceful_shutdown=graceful_shutdown_seconds, fd=fd,
                             limit_concurrency=settings.max_connections)
     server = uvicorn.Server(config)
+    quiet_download_cuts()
     address = f"fd://{fd}" if fd is not None else f"unix://{uds}" if uds else f"http://{host}:{port}"
     info_path = settings.agent_dir / "agent.json"
 

@@ -6,6 +6,7 @@ import logging
 
 import uvicorn
 
+from orchard.download_cut import quiet_download_cuts
 from orchard.gc_tuning import tune_after_startup
 from orchard.server.app import create_app
 from orchard.server.config import ServerConfig
@@ -37,6 +38,7 @@ def serve(config: ServerConfig) -> None:
     server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
                                            access_log=False, timeout_keep_alive=60, backlog=4096, log_config=None,
                                            proxy_headers=False))
+    quiet_download_cuts()
     tune_after_startup(server)
     try:
         server.run()

@@ -19,6 +19,7 @@ from fastapi.exceptions import RequestValidationError
 from orchard.agent.tokens import sandbox_token
 from orchard.backends.api import Backend
 from orchard.client.http import MAX_JSON_ANSWER, ApiClient
+from orchard.download_cut import DownloadCut
 from orchard.errors import (
     AgentUnreachable, JobNotFound, OrchardError, SandboxConflict, SandboxLost, SandboxNotFound, SandboxNotReady,
     StoreRecordDamaged, WaitTimeout,
@@ -414,12 +415,13 @@ class ServerService:
         record = self.usable(sandbox_id)
         api = await self.agent(sandbox_id)
         try:
-            return await api.download(f"/sandboxes/{sandbox_id}/files/raw", params={"path": path}, timeout=600)
+            size, chunks = await api.download(f"/sandboxes/{sandbox_id}/files/raw", params={"path": path}, timeout=600)
         except (AgentUnreachable, SandboxNotFound, SandboxLost) as exc:
             reason = await self.confirm_lost(record)
             if reason is None:
                 raise exc
             raise SandboxLost(f"sandbox {sandbox_id!r} was lost: {reason}") from None
+        return size, _passed_on(chunks, sandbox_id)
 
     async def resources(self) -> dict[str, Any]:
         counts: dict[str, int] = {}
@@ -431,6 +433,21 @@ class ServerService:
             backend = {"error": exc.message}
         return {"backend": self.backend.name, "sandboxes": counts, "capacity": backend,
                 "max_concurrent_exec": self.config.max_concurrent_exec}
+
+
+async def _passed_on(chunks: AsyncIterator[bytes], sandbox_id: str) -> AsyncIterator[bytes]:
+    """The agent's chunks; a body the agent cut (its sandbox deleted under the download, the
+    agent gone) is cut here too, said in one line (``orchard.download_cut``)."""
+    try:
+        async for chunk in chunks:
+            yield chunk
+    except OrchardError as exc:
+        log.warning("sandbox %s: a download was cut short: %s", sandbox_id, exc)
+        raise DownloadCut(str(exc)) from exc
+    finally:  # a client gone mid-download closes this generator: the agent's response goes with it
+        close = getattr(chunks, "aclose", None)
+        if close is not None:
+            await close()
 
 
 class CommandStream:

@@ -17,6 +17,7 @@ SCRIPT = textwrap.dedent("""
     import pytest
     from types import SimpleNamespace
     from orchard.agent.files import SandboxFiles
+    from orchard.download_cut import DownloadCut
     from orchard.agent.reaper import ChildReaper
     from orchard.errors import FileOperationFailed
 
@@ -34,7 +35,7 @@ SCRIPT = textwrap.dedent("""
     async def main(how):
         reaper = RecordingReaper()
         reaper.install(asyncio.get_running_loop())
-        sandbox = SimpleNamespace(file_slots=asyncio.Semaphore(1), check_ready=lambda: None,
+        sandbox = SimpleNamespace(sandbox_id="sbx-test", file_slots=asyncio.Semaphore(1), check_ready=lambda: None,
                                   placement=SimpleNamespace(default_cwd="/workspace"))
         agent_slots = asyncio.Semaphore(1)
         files = SandboxFiles(WaitingHelper(), sandbox, reaper, agent_slots)
@@ -56,8 +57,9 @@ SCRIPT = textwrap.dedent("""
                 await stream.__anext__()
         elif how == "fails":
             assert await stream.__anext__() == b"hello"
-            with pytest.raises(FileOperationFailed, match="f: Input/output error"):
+            with pytest.raises(DownloadCut, match="f: Input/output error") as cut:  # the response has started
                 await stream.__anext__()
+            assert isinstance(cut.value.__cause__, FileOperationFailed)
             await stream.aclose()  # and closing it after changes nothing
         code = await asyncio.wait_for(exited, 5)  # the helper was killed (or ended)
         await asyncio.sleep(0)  # a dropped stream frees them on the loop's next turn
@@ -88,3 +90,46 @@ def test_a_stream_whose_read_was_cancelled_frees_them():
 
 def test_a_stream_whose_helper_fails_raises_its_error_and_frees_them_once():
     assert run("fails") == "5 3"
+
+
+def test_uvicorn_logs_no_stack_for_a_cut_download_and_every_other_stack_as_before():
+    """A download cut after its response started can only close the connection; the agent
+    says so in one line, and the filter drops uvicorn's "Exception in ASGI application"
+    stack for it (hundreds a day in an RL run: sandboxes deleted under their diff's download)."""
+    import logging
+
+    from orchard.download_cut import DownloadCut, QuietDownloadCuts
+    from orchard.errors import FileOperationFailed
+
+    def record(exc: BaseException) -> logging.LogRecord:
+        return logging.getLogger("uvicorn.error").makeRecord(
+            "uvicorn.error", logging.ERROR, __file__, 1, "Exception in ASGI application\n", (),
+            (type(exc), exc, exc.__traceback__))
+
+    def raised(make):
+        try:
+            make()
+        except BaseException as exc:  # noqa: BLE001 - the exception is the test's value
+            return exc
+        raise AssertionError("nothing raised")
+
+    def starlette_way():  # starlette re-raises what a started response's body raised
+        try:
+            raise DownloadCut("f: the file call ended with code 137") from FileOperationFailed("f")
+        except DownloadCut as cut:
+            raise RuntimeError("Caught handled exception, but response already started.") from cut
+
+    def other():
+        try:
+            raise FileOperationFailed("f: not a regular file")
+        except FileOperationFailed as exc:
+            raise RuntimeError("something else") from exc
+
+    quiet = QuietDownloadCuts()
+    assert not quiet.filter(record(raised(starlette_way)))
+    assert quiet.filter(record(raised(other)))
+    assert quiet.filter(logging.makeLogRecord({"msg": "no exception"}))
+    looped = RuntimeError("a cycle")
+    looped.__context__ = RuntimeError("back")
+    looped.__context__.__context__ = looped
+    assert quiet.filter(record(looped))

@@ -41,6 +41,33 @@ def test_raw_files_stream_through_the_server_without_holding_them(server_factory
         assert grew < 64 * MiB, f"the server held {grew / MiB:.0f} MiB for a 256 MiB file"
 
 
+def test_a_sandbox_deleted_mid_download_cuts_the_body_and_each_log_says_so_in_one_line(server_factory):
+    """The agent's stream is cut under the server: the client's body is cut, and neither the
+    server's log nor the agent's holds uvicorn's "Exception in ASGI application" stack."""
+    import httpx
+
+    server = server_factory()
+    size = 64 * MiB  # far more than the sockets buffer: the agent is still sending when the sandbox goes
+    with server.client() as client:
+        sandbox = client.create("host")
+        assert sandbox.exec(f"head -c {size} /dev/zero > /tmp/big").exit_code == 0
+        received = 0
+        with pytest.raises(httpx.RemoteProtocolError), server.http() as http:
+            with http.stream("GET", f"/sandboxes/{sandbox.id}/files/raw", params={"path": "/tmp/big"}) as response:
+                assert response.status_code == 200 and int(response.headers["content-length"]) == size
+                chunks = response.iter_raw(1 << 16)
+                received += len(next(chunks))
+                sandbox.delete()
+                for chunk in chunks:
+                    received += len(chunk)
+        assert 0 < received < size
+    agent_log = (server.agent_state / "agent" / "agent.log").read_text(errors="replace")
+    server_log = server.log_path.read_text(errors="replace")
+    assert f"sandbox {sandbox.id}: a download was cut short" in server_log, server_log[-3000:]
+    for log in (server_log, agent_log):
+        assert "Exception in ASGI application" not in log, log[-3000:]
+
+
 def test_oversized_json_bodies_get_413_naming_the_limit(server_factory):
     server = server_factory(max_body_bytes=2 * MiB)
     with server.client() as client, client.create("host") as sandbox:
