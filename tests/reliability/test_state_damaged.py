@@ -81,7 +81,22 @@ def _corrupt_page(path, table: str, last_leaf: bool = False) -> None:
     """Overwrite a b-tree page of ``table`` in the file with garbage, as a bad sector would: its
     root, or (``last_leaf``) the last leaf below an interior root, which a query reaches only
     after its first rows. Then commit elsewhere through another connection, so every reader
-    drops its cached pages."""
+    drops its cached pages. The running server may write that page between the checkpoint and
+    the overwrite (its newer copy in the WAL then hides the garbage): tried again until a
+    fresh reader of ``table`` meets the damage."""
+    for _ in range(20):
+        _overwrite_page(path, table, last_leaf)
+        db = sqlite3.connect(str(path), timeout=10)
+        try:
+            db.execute(f"SELECT * FROM {table}").fetchall()
+        except sqlite3.DatabaseError:
+            return
+        finally:
+            db.close()
+    raise AssertionError(f"the damage to {table} never showed: the server rewrote the page every time")
+
+
+def _overwrite_page(path, table: str, last_leaf: bool) -> None:
     db = sqlite3.connect(str(path), timeout=10)
     try:
         db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()  # every page in the file, none in the WAL
@@ -100,6 +115,7 @@ def _corrupt_page(path, table: str, last_leaf: bool = False) -> None:
     db = sqlite3.connect(str(path), timeout=10)
     try:
         db.execute("INSERT OR REPLACE INTO meta VALUES ('damage-test', '1')")
+        db.commit()
     finally:
         db.close()
 
