@@ -21,6 +21,14 @@ def mounts_under(path: Path) -> list[str]:
     return [line for line in Path("/proc/self/mounts").read_text().splitlines() if str(path) in line]
 
 
+def cgroups_named(sandbox_id: str) -> list[str]:
+    """Directories ``orchard/<agent>/<sandbox_id>`` anywhere under /sys/fs/cgroup that exist
+    once the walk is over (other cgroups come and go while it walks: those are skipped)."""
+    found = [os.path.join(parent, sandbox_id) for parent, children, _ in os.walk("/sys/fs/cgroup")
+             if sandbox_id in children and Path(parent).parent.name == "orchard"]
+    return [path for path in found if os.path.exists(path)]
+
+
 def test_delete_leaves_no_process_mount_directory_or_cgroup(orchard_client, agent_settings, tmp_path):
     from tests.images import busybox_rootfs
 
@@ -32,12 +40,13 @@ def test_delete_leaves_no_process_mount_directory_or_cgroup(orchard_client, agen
             assert count_processes("sleep 100") >= 4
             assert len(mounts_under(agent_settings.sandboxes_dir)) >= 2
             ids = [host_sb.id, root_sb.id]
+            assert all(cgroups_named(sandbox_id) for sandbox_id in ids)  # the walk finds them while they live
         assert count_processes("sleep 1000") == 0 and count_processes("sleep 1001") == 0
         assert mounts_under(agent_settings.sandboxes_dir) == []
         for sandbox_id in ids:
             assert not (agent_settings.sandboxes_dir / sandbox_id).exists()
             # any hierarchy, v1 (memory/orchard/<agent>/<id>) or v2 (orchard/<agent>/<id>), nested or not
-            assert not list(Path("/sys/fs/cgroup").glob(f"**/orchard/*/{sandbox_id}"))
+            assert not cgroups_named(sandbox_id)
     finally:
         subprocess.run(["rm", "-rf", str(rootfs)])
 

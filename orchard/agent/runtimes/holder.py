@@ -9,8 +9,10 @@ holder kills everything in it.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import signal
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -19,6 +21,9 @@ from orchard.agent.runtimes.mounts import remove_tree, unmount
 from orchard.agent.sandbox import SandboxState
 from orchard.errors import QuotaExceeded, RuntimeUnavailable
 from orchard.quantities import optional_bytes, parse_cpu
+
+CGROUP_REMOVE_PATIENCE = 10.0  # seconds a deleted sandbox's cgroup may take to empty
+log = logging.getLogger("orchard.agent")
 
 HOLD_ARGS = ["--hold", "--ready-fd", "3"]  # what follows the holder's path inside the sandbox
 
@@ -121,12 +126,18 @@ async def stop_held(sandbox: SandboxState, keep_layer: Optional[Path] = None) ->
                 await asyncio.wait_for(asyncio.shield(sandbox.holder_exit), grace)
             except asyncio.TimeoutError:
                 pass
-    if sandbox.cgroup is not None:
-        for _ in range(50):
+    if sandbox.cgroup is not None:  # killed processes can take seconds to leave on a loaded machine
+        deadline, pause = time.monotonic() + CGROUP_REMOVE_PATIENCE, 0.02
+        while True:
             sandbox.cgroup.kill_all()
             if sandbox.cgroup.remove():
                 break
-            await asyncio.sleep(0.02)
+            if time.monotonic() > deadline:
+                log.warning("sandbox %s: its cgroup still holds processes after %.0f s; left for the sweep",
+                            sandbox.sandbox_id, CGROUP_REMOVE_PATIENCE)
+                break
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, 0.25)
     if placement is not None:
         for target in placement.mounts:
             if keep_layer is None or target != placement.layer:
