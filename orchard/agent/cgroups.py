@@ -71,6 +71,10 @@ class SandboxCgroup:
     def procs_files(self) -> list[str]:
         return [str(d / "cgroup.procs") for d in self.dirs.values()]
 
+    def exists(self) -> bool:
+        """Whether any of its directories is still there (a removal that gave up)."""
+        return any(d.exists() for d in self.dirs.values())
+
     def job_dir(self) -> Optional[Path]:
         """An empty child group for the next command (None where jobs are not tracked so).
 

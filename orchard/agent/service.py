@@ -71,6 +71,8 @@ class AgentService(SnapshotOperations):
     def __init__(self, settings: AgentSettings) -> None:
         self.settings = settings
         self.sandboxes: dict[str, SandboxState] = {}
+        # Deleted sandboxes whose cgroup still held processes: the group and the host ids it keeps (_sweep_loop).
+        self._left_behind: dict[str, tuple[SandboxCgroup, list[tuple[int, int]]]] = {}
         self.jobs = JobTable(settings.job_retention_seconds, settings.job_retention_bytes)
         self.reaper = ChildReaper()
         self.started_at = time.time()
@@ -125,6 +127,8 @@ class AgentService(SnapshotOperations):
         self.runtime = runtime_cls(context)
         self.jobs_runner = JobRunner(self.reaper, helper, settings.max_output_bytes)
         self._spawn(self._purge_loop())
+        if self.cgroups.available:
+            self._spawn(self._sweep_loop(settings.cgroup_sweep_seconds))
         if settings.idle_exit_seconds is not None:
             self._spawn(self._idle_exit_loop(settings.idle_exit_seconds))
 
@@ -146,7 +150,8 @@ class AgentService(SnapshotOperations):
             stale = [SandboxCgroup({"leftover": g}) for g in self.cgroups.leftovers() if g.name not in owned]
             for group in stale:
                 group.kill_all()
-            if all(group.remove() for group in stale) or time.monotonic() > deadline:
+            removed = [group.remove() for group in stale]  # each one: a stuck group must not keep the rest
+            if all(removed) or time.monotonic() > deadline:
                 return
             time.sleep(0.05)
 
@@ -188,6 +193,37 @@ class AgentService(SnapshotOperations):
         while True:
             await asyncio.sleep(PURGE_INTERVAL)
             self.jobs.purge_expired()
+
+    def _leave_behind(self, sandbox_id: str, group: SandboxCgroup, host_ids: Optional[tuple[int, int]]) -> None:
+        """Hand a group a delete could not remove, with the host ids it keeps, to the sweep."""
+        _, held = self._left_behind.setdefault(sandbox_id, (group, []))  # an earlier one of this id: same dirs
+        if host_ids is not None:
+            held.append(host_ids)
+
+    async def _sweep_loop(self, interval: float) -> None:
+        """A sandbox this agent deleted whose killed processes had not left its cgroup in
+        time (``holder.CGROUP_REMOVE_PATIENCE``) left that cgroup behind, and kept its host
+        ids: empty and remove such groups while the agent runs, not only at its next start
+        or stop (a training run's agent may live for days and go through thousands of
+        sandboxes), and free the ids once a group is gone. Only groups this agent left
+        behind: a group it does not know may be another live agent's on the same state dir."""
+        while True:
+            await asyncio.sleep(interval)
+            for sandbox_id, (group, held) in list(self._left_behind.items()):
+                if sandbox_id in self.sandboxes:
+                    continue  # made again under the same id, in the same directories: its delete empties them
+                try:
+                    group.kill_all()
+                    gone = group.remove()
+                except Exception:
+                    log.exception("sandbox %s: removing its leftover cgroup failed; trying again in %.0f s",
+                                  sandbox_id, interval)
+                    continue
+                if gone:
+                    del self._left_behind[sandbox_id]
+                    for ids in held:
+                        self.host_ids.release(ids)
+                    log.info("sandbox %s: its leftover cgroup is removed", sandbox_id)
 
     # -- sandboxes -----------------------------------------------------------------
     def _get(self, sandbox_id: str) -> SandboxState:
@@ -275,9 +311,11 @@ class AgentService(SnapshotOperations):
             await self.runtime.stop(sandbox)
         except Exception:
             log.exception("cleaning up sandbox %s failed", sandbox.sandbox_id)
-        if sandbox.host_ids is not None:  # free for another sandbox only once nothing of this one runs
+        if sandbox.cgroup is not None and sandbox.cgroup.exists():  # its killed processes were slow to leave
+            self._leave_behind(sandbox.sandbox_id, sandbox.cgroup, sandbox.host_ids)
+        elif sandbox.host_ids is not None:  # free for another sandbox only once nothing of this one runs
             self.host_ids.release(sandbox.host_ids)
-            sandbox.host_ids = None
+        sandbox.host_ids = None
         if sandbox.base is not None:
             self.snapshots.drop(sandbox.base, sandbox.sandbox_id)
             sandbox.base = None

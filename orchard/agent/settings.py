@@ -67,6 +67,9 @@ class AgentSettings(BaseModel):
                                                                     "disk quota decides)")
     max_inline_file_bytes: int = Field(64 << 20, gt=0,
                                        description="largest file the JSON (base64) file routes move; raw routes have no cap")
+    cgroup_sweep_seconds: float = Field(30.0, gt=0, description="how often the cgroups of deleted sandboxes whose "
+                                        "killed processes were slow to leave are emptied and removed (their host "
+                                        "ids stay taken until then)")
     idle_exit_seconds: Optional[float] = Field(900.0, gt=0, description="exit after this long with no sandbox and "
                                                "no call (the local backend starts it again on demand); null: never")
     max_file_calls: int = Field(256, ge=1, description="file calls in flight over all sandboxes (more wait)")

@@ -133,8 +133,8 @@ async def stop_held(sandbox: SandboxState, keep_layer: Optional[Path] = None) ->
             if sandbox.cgroup.remove():
                 break
             if time.monotonic() > deadline:
-                log.warning("sandbox %s: its cgroup still holds processes after %.0f s; left for the leftover "
-                            "cleanup at the agent's next start or stop",
+                log.warning("sandbox %s: its cgroup still holds processes after %.0f s; left for the agent's "
+                            "sweep of leftover cgroups (setting cgroup_sweep_seconds)",
                             sandbox.sandbox_id, CGROUP_REMOVE_PATIENCE)
                 break
             await asyncio.sleep(pause)
