@@ -76,8 +76,14 @@ def runtime_defaults(empty: Path) -> list[str]:
     return args
 
 
+def pod_dir_name(namespace: str, name: str) -> str:
+    """The pod's directory and cgroup name on this host: a pod is its namespace and name
+    (namespaces are DNS labels, without dots), as a kubelet tells pods apart."""
+    return f"{namespace}.{name}"
+
+
 def pod_cgroups(name: str, limits: dict[str, str]) -> list[Path]:
-    """The pod's cgroups (v1 memory, cpu, pids) with its limits, as the kubelet makes them;
+    """The cgroups of the pod ``name`` (``pod_dir_name``) (v1 memory, cpu, pids) with its limits, as the kubelet makes them;
     returns the cgroup.procs files to join."""
     from orchard.quantities import parse_cpu, parse_memory
 
@@ -153,7 +159,7 @@ class PodApiTestServer:
         self.unschedulable: Optional[str] = None
         self.watch_delay = 0.0  # seconds between a change and its watch event
         self._watchers: list[tuple[str, str, Optional[str], asyncio.Queue]] = []
-        self._pods: dict[str, dict[str, Any]] = {}  # pod name -> kubelet state (process, relay, ip)
+        self._pods: dict[tuple[str, str], dict[str, Any]] = {}  # (namespace, name) -> kubelet state
         self._next_ip = secrets.randbelow(200 << 16) + (1 << 16)  # 127.1.0.0 - 127.200.255.255, from anywhere
         self._work = Path(tempfile.mkdtemp(prefix="orchard-k8s-kubelet-"))
         self._work.chmod(0o711)
@@ -194,8 +200,8 @@ class PodApiTestServer:
 
     def stop(self) -> None:
         if self.loop is not None:
-            for name in list(self._pods):
-                self.call(self._stop_pod(name))
+            for namespace, name in list(self._pods):
+                self.call(self._stop_pod(namespace, name))
         if self._server is not None:
             self._server.should_exit = True
         if self._thread is not None:
@@ -315,7 +321,7 @@ class PodApiTestServer:
             body["status"] = {"phase": "Pending", "conditions": []}
         self._store(resource, body, "ADDED")
         if resource == "pods":
-            self._pods[name] = {"namespace": namespace}
+            self._pods[namespace, name] = {"namespace": namespace}
             asyncio.get_running_loop().create_task(self._kubelet(namespace, name))
         return JSONResponse(body, status_code=201)
 
@@ -346,7 +352,7 @@ class PodApiTestServer:
             return status_body(409, "Conflict", f"Precondition failed: UID in precondition: {uid}, "
                                                 f"UID in object meta: {obj['metadata']['uid']}")
         if resource == "pods":
-            await self._stop_pod(name)
+            await self._stop_pod(namespace, name)
         obj = self._remove(resource, namespace, name)
         return obj
 
@@ -444,16 +450,17 @@ class PodApiTestServer:
                 token = await self._secret_value(namespace, container)
                 if not mine():
                     return
-        state = self._pods.get(name)
+        state = self._pods.get((namespace, name))
         if state is None:
             return
+        host_name = pod_dir_name(namespace, name)
         port = int(container["command"][container["command"].index(AGENT_PORT_ARG) + 1])
         limits = (container.get("resources") or {}).get("limits") or {}
         from orchard.quantities import parse_bytes
 
         disk = parse_bytes(limits["ephemeral-storage"]) if "ephemeral-storage" in limits else None
-        cgroups = pod_cgroups(name, limits)
-        directory = self._work / name
+        cgroups = pod_cgroups(host_name, limits)
+        directory = self._work / pod["metadata"]["uid"]  # short: the agent's socket path must fit in 108 bytes
         directory.mkdir(mode=0o700)
         listener = socket.socket(socket.AF_UNIX)
         listener.bind(str(directory / "agent.sock"))
@@ -488,7 +495,7 @@ class PodApiTestServer:
             await process.wait()
             relay.close()
             shutil.rmtree(directory, ignore_errors=True)
-            await remove_pod_cgroups(name)
+            await remove_pod_cgroups(host_name)
             return
         if not await self._agent_healthy(directory / "agent.sock", process):
             if state.get("stopping") or not mine():  # deleted: its status is not ours to write
@@ -507,7 +514,7 @@ class PodApiTestServer:
                          containerStatuses=[{"name": "sandbox", "ready": True, "restartCount": 0, "image": image,
                                              "imageID": image, "state": {"running": {"startedAt": now()}}}])
         code = await process.wait()
-        if name in self._pods and not state.get("stopping") and mine():
+        if (namespace, name) in self._pods and not state.get("stopping") and mine():
             self._terminated(namespace, name, state.get("ended_as", "Error"), code)
 
     async def _pod_address(self, socket_path: Path, port: int) -> tuple[str, asyncio.AbstractServer]:
@@ -586,8 +593,8 @@ class PodApiTestServer:
                                              "imageID": "", "state": {"terminated": {
                                                  "reason": reason, "exitCode": code, "message": message or None}}}])
 
-    async def _stop_pod(self, name: str) -> None:
-        state = self._pods.pop(name, None)
+    async def _stop_pod(self, namespace: str, name: str) -> None:
+        state = self._pods.pop((namespace, name), None)
         if not state:
             return
         state["stopping"] = True
@@ -603,19 +610,19 @@ class PodApiTestServer:
             relay.close()
         if state.get("directory"):
             shutil.rmtree(state["directory"], ignore_errors=True)
-        await remove_pod_cgroups(name)
+        await remove_pod_cgroups(pod_dir_name(namespace, name))
 
     # -- faults ------------------------------------------------------------------------
-    async def _kill(self, name: str, ended_as: str) -> None:
-        state = self._pods[name]
+    async def _kill(self, namespace: str, name: str, ended_as: str) -> None:
+        state = self._pods[namespace, name]
         state["ended_as"] = ended_as
         os.killpg(state["process"].pid, signal.SIGKILL)
 
-    def oom_kill(self, name: str) -> None:
-        self.call(self._kill(name, "OOMKilled"))
+    def oom_kill(self, namespace: str, name: str) -> None:
+        self.call(self._kill(namespace, name, "OOMKilled"))
 
     async def _evict(self, namespace: str, name: str) -> None:
-        state = self._pods[name]
+        state = self._pods[namespace, name]
         state["stopping"] = True
         os.killpg(state["process"].pid, signal.SIGKILL)
         await state["process"].wait()

@@ -82,10 +82,7 @@ def test_unschedulable_pods_say_why(k8s_settings, pod_api):
 def test_a_pod_that_goes_away_marks_its_sandbox_lost_with_the_reason(k8s, pod_api, fault, reason):
     sandbox = k8s.create(KIT_IMAGE)
     name = manifests.pod_name(sandbox.id)
-    if fault == "oom_kill":
-        pod_api.oom_kill(name)
-    else:
-        getattr(pod_api, fault)("orchard-test", name)
+    getattr(pod_api, fault)("orchard-test", name)
     deadline = time.monotonic() + 10
     while (info := k8s.get(sandbox.id).info).status != "lost":
         assert time.monotonic() < deadline, info
@@ -158,12 +155,12 @@ def test_a_deleted_pod_leaves_no_cgroup_behind_even_with_a_sandbox_process_runni
     day of test runs."""
     from pathlib import Path
 
-    from pod_api_server import CGROUP_BASE
+    from pod_api_server import CGROUP_BASE, pod_dir_name
 
     before = set(pod_api._pods)
     sandbox = k8s.create(KIT_IMAGE)
     (pod,) = set(pod_api._pods) - before
-    groups = [Path("/sys/fs/cgroup") / c / CGROUP_BASE / pod for c in ("memory", "cpu", "pids")]
+    groups = [Path("/sys/fs/cgroup") / c / CGROUP_BASE / pod_dir_name(*pod) for c in ("memory", "cpu", "pids")]
     groups = [g for g in groups if g.exists()]
     assert groups, "the test kubelet made no cgroup for the pod"
     sandbox.exec("setsid sleep 600 >/dev/null 2>&1 &")
@@ -172,6 +169,22 @@ def test_a_deleted_pod_leaves_no_cgroup_behind_even_with_a_sandbox_process_runni
     while any(g.exists() for g in groups) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not [g for g in groups if g.exists()]
+
+
+def test_a_pod_of_the_same_name_in_another_namespace_is_another_pod(k8s, k8s_settings, pod_api, core_api):
+    """The test kubelet told pods apart by name alone: a pod of the same name in another
+    namespace took over the first one's kubelet state, and deleting it killed what ran in
+    the first one's cgroups. A kubelet knows a pod by namespace and name."""
+    sandbox = k8s.create(KIT_IMAGE)
+    name = manifests.pod_name(sandbox.id)
+    other = "orchard-twin"
+    core_api.create_namespaced_pod(other, {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name},
+                                           "spec": {"containers": [{"name": "sandbox", "image": "no-such-image"}]}})
+    assert {(k8s_settings["namespace"], name), (other, name)} <= set(pod_api._pods)
+    core_api.delete_namespaced_pod(name, other)
+    assert (other, name) not in pod_api._pods and (k8s_settings["namespace"], name) in pod_api._pods
+    assert sandbox.exec("echo still here").stdout == "still here\n"
+    sandbox.delete()
 
 
 @pytest.mark.parametrize("name", ["..", "", "Upper", "a/b"])
@@ -185,7 +198,7 @@ def test_the_test_kubelet_refuses_pod_names_the_api_server_would(k8s_settings, p
             "apiVersion": "v1", "kind": "Pod", "metadata": {"name": name},
             "spec": {"containers": [{"name": "sandbox", "image": KIT_IMAGE}]}})
     assert refused.value.status == 422
-    assert name not in pod_api._pods
+    assert (k8s_settings["namespace"], name) not in pod_api._pods
 
 
 def test_a_create_asked_again_after_its_creator_died_finishes_or_starts_over(k8s_settings, pod_api, core_api):
