@@ -35,6 +35,7 @@ from orchard_slurm.config import PODMAN_ID_SPAN
 from orchard_slurm.runtimes.processes import process_exit
 
 HOLD_PATH = "/.orchard-hold"
+RM_ATTEMPTS = 3  # podman rm -f of a container that stopped by itself meanwhile fails once ("state improper")
 LIFELINE_FD = 3  # the first descriptor ``--preserve-fds 1`` hands to the container
 HOLD_ARGS = ["--hold", "--lifeline", str(LIFELINE_FD)]
 CONTAINERS_CONF = """[containers]
@@ -242,14 +243,25 @@ class PodmanRuntime(IsolationRuntime):
         return [full[0], *joins, *full[1:]]  # in the container's cgroup: its limits apply to commands too
 
     async def stop(self, sandbox: SandboxState) -> None:
+        """Remove the container, then close its lifeline. Closed first, the lifeline made the
+        container stop on its own while ``podman rm -f`` stopped it, and podman failed the
+        remove ("container state improper: stopped"; once in CI, on a loaded machine). A
+        container that stops by itself meanwhile anyway (its holder killed) gets another try."""
         self._cgroups.pop(sandbox.sandbox_id, None)
-        lifeline = self._lifelines.pop(sandbox.sandbox_id, None)
-        if lifeline is not None:
-            os.close(lifeline)
-        if sandbox.placement is not None:
-            code, _, err = await run_tool(self.context.reaper, ["podman", "rm", "-f", "-t", "0",
-                                                                container_name(sandbox.sandbox_id)],
-                                          self._env)
-            if code != 0 and "no such container" not in err.lower():
-                raise RuntimeUnavailable(f"podman rm failed: {err.strip()[-500:]}")
+        try:
+            if sandbox.placement is not None:
+                await self._remove_container(container_name(sandbox.sandbox_id))
+        finally:
+            lifeline = self._lifelines.pop(sandbox.sandbox_id, None)
+            if lifeline is not None:
+                os.close(lifeline)
         remove_tree(sandbox.state_dir)
+
+    async def _remove_container(self, name: str) -> None:
+        for attempt in range(RM_ATTEMPTS):
+            code, _, err = await run_tool(self.context.reaper, ["podman", "rm", "-f", "-t", "0", name], self._env)
+            if code == 0 or "no such container" in err.lower():
+                return
+            if attempt + 1 < RM_ATTEMPTS:
+                await asyncio.sleep(0.2 * (attempt + 1))
+        raise RuntimeUnavailable(f"podman rm failed: {err.strip()[-500:]}")
