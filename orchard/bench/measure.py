@@ -40,6 +40,9 @@ def mem_available() -> int:
 
 
 def count_processes(needle: str) -> int:
+    """Processes whose command line contains ``needle``. A process in the middle of execve
+    briefly has an empty command line, so a just-started background command can read as
+    absent: callers expecting a process to appear use ``await_processes``."""
     count = 0
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
@@ -48,4 +51,12 @@ def count_processes(needle: str) -> int:
                     count += 1
             except OSError:
                 pass
+    return count
+
+
+def await_processes(needle: str, at_least: int, timeout: float = 10.0) -> int:
+    """``count_processes(needle)`` once it reaches ``at_least``, or its last value at ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while (count := count_processes(needle)) < at_least and time.monotonic() < deadline:
+        time.sleep(0.05)
     return count

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from orchard.bench.measure import count_processes
+from orchard.bench.measure import await_processes, count_processes
 from orchard.errors import BackendUnavailable, SandboxLost
 from tests.backends.test_local_isolation import holder_pid
 
@@ -37,7 +37,7 @@ def test_delete_leaves_no_process_mount_directory_or_cgroup(orchard_client, agen
         with orchard_client.create() as host_sb, orchard_client.create(str(rootfs), disk="16Mi") as root_sb:
             for sb in (host_sb, root_sb):
                 sb.exec("sleep 1000 & sleep 1001 & echo started")
-            assert count_processes("sleep 100") >= 4
+            assert await_processes("sleep 100", 4) >= 4
             assert len(mounts_under(agent_settings.sandboxes_dir)) >= 2
             ids = [host_sb.id, root_sb.id]
             assert all(cgroups_named(sandbox_id) for sandbox_id in ids)  # the walk finds them while they live

@@ -34,7 +34,7 @@ from typing import Callable
 import httpx
 import yaml
 
-from orchard.bench.measure import count_processes
+from orchard.bench.measure import await_processes, count_processes
 from slurm_testing import slurm_settings, squeue_jobs
 from test_slurm_serve import start_server
 from tests.images import free_port  # importable once slurm_testing put the repository on sys.path
@@ -142,7 +142,7 @@ def test_a_lost_node_reports_its_pilots_sandboxes_lost_and_the_pool_recovers(slu
             done = call("POST", f"/sandboxes/{victims[0]}/exec",
                         json={"command": "echo kept; sleep 4243 &", "wait": True, "job_id": "job-before-loss"})
             assert done.status_code == 200 and done.json()["stdout"] == "kept\n", done.text
-            assert count_processes("sleep 4243") == 1
+            assert await_processes("sleep 4243", 1) == 1
             deleted = call("POST", "/sandboxes", json={"sandbox_id": "node-loss-deleted"}).json()["sandbox_id"]
             assert call("DELETE", f"/sandboxes/{deleted}").status_code in (200, 204)
             jobs = call("GET", "/resources").json()["capacity"]["pilot_jobs"]

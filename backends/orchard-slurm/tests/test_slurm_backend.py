@@ -12,7 +12,7 @@ import time
 import pytest
 from pydantic import ValidationError
 
-from orchard.bench.measure import count_processes
+from orchard.bench.measure import await_processes, count_processes
 from orchard.client.http import ApiClient
 from orchard.errors import BackendUnavailable
 from orchard.models import SandboxSpec
@@ -87,8 +87,9 @@ def test_pilot_deletes_its_sandboxes_and_stops_on_slurms_warning_signal(backend)
     async def scenario() -> None:
         first, second = [await backend.create(SandboxSpec()) for _ in range(2)]
         pilot = backend.pool.pilots[backend.pool.owner[first.sandbox_id]]
-        await exec_on(backend, first.sandbox_id, "sleep 4242 & echo started")
-        assert count_processes("sleep 4242") == 1
+        job = await exec_on(backend, first.sandbox_id, "sleep 4242 & echo started")
+        assert (job["status"], job["stdout"]) == ("succeeded", "started\n"), job
+        assert await_processes("sleep 4242", 1) == 1
         script = next((backend.config.shared_dir / "submitit" / pilot.job_id).glob("*_submission.sh")).read_text()
         assert f"--signal=USR2@{backend.config.stop_margin_seconds}" in script and "--no-requeue" in script
         assert f"--comment={backend.pool.job_comment}" in script
