@@ -95,6 +95,16 @@ class RuntimeUnavailable(OrchardError):
     error_type = "rejected"
 
 
+class StateDirInUse(RuntimeUnavailable):
+    """Another live agent already serves this state directory (one agent per state dir)."""
+
+
+class SandboxIdBusy(RuntimeUnavailable):
+    """A sandbox id whose deleted predecessor's processes are still being cleaned up (transient)."""
+
+    retryable = True
+
+
 class BackendUnavailable(OrchardError):
     """The backend is not usable on this machine or is temporarily down."""
 
@@ -188,7 +198,7 @@ ERRORS_BY_NAME: dict[str, type[OrchardError]] = {
         SandboxConflict, SandboxLost, SandboxNotReady, ImageRejected, QuotaExceeded,
         RuntimeUnavailable, BackendUnavailable, AgentUnreachable, FileOperationFailed,
         PayloadTooLarge, WaitTimeout, ExecTimeout, InternalError, SnapshotNotFound, Unsupported,
-        StoreUnavailable, StoreRecordDamaged, AnswerTooLarge,
+        StoreUnavailable, StoreRecordDamaged, AnswerTooLarge, StateDirInUse, SandboxIdBusy,
     ]
 }
 

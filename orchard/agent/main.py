@@ -24,6 +24,7 @@ from orchard.agent.app import create_app
 from orchard.agent.environment import restore
 from orchard.agent.service import AgentService
 from orchard.agent.settings import AgentSettings
+from orchard.agent.state_lock import hold_state_dir
 from orchard.download_cut import quiet_download_cuts
 from orchard.gc_tuning import tune_after_startup
 
@@ -62,6 +63,7 @@ def serve(settings: AgentSettings, uds: Optional[Path] = None, host: str = "127.
     listening socket handed over by whoever started us (a per-job Slurm job), so no socket
     path exists where the sandbox could replace it."""
     settings.make_dirs()
+    state_lock = hold_state_dir(settings)  # before touching its socket, token or sandboxes
     if settings.runtime == "direct":  # commands run as we do: they must not ptrace us or take our fds
         ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE 0
     if fd is not None:
@@ -101,6 +103,7 @@ def serve(settings: AgentSettings, uds: Optional[Path] = None, host: str = "127.
         server.run()
     finally:
         info_path.unlink(missing_ok=True)
+        os.close(state_lock)  # only now may the next agent clean up after us
 
 
 def main() -> None:

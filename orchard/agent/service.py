@@ -36,7 +36,7 @@ from orchard.agent.snapshots import SnapshotState, SnapshotStore
 from orchard.agent.settings import AgentSettings
 from orchard.errors import (
     ImageRejected, InvalidRequest, JobNotFound, OrchardError, QuotaExceeded, RuntimeUnavailable, SandboxConflict,
-    SandboxLost, SandboxNotFound,
+    SandboxIdBusy, SandboxLost, SandboxNotFound,
 )
 from orchard.models import (
     JOB_ID_RULE, ExecRequest, FileContent, FileList, FileUpload, FileUploaded, Job, PatchRequest, PatchResult, QueuedJob,
@@ -72,7 +72,7 @@ class AgentService(SnapshotOperations):
         self.settings = settings
         self.sandboxes: dict[str, SandboxState] = {}
         # Deleted sandboxes whose cgroup still held processes: the group and the host ids it keeps (_sweep_loop).
-        self._left_behind: dict[str, tuple[SandboxCgroup, list[tuple[int, int]]]] = {}
+        self._left_behind: dict[str, tuple[SandboxCgroup, Optional[tuple[int, int]]]] = {}
         self.jobs = JobTable(settings.job_retention_seconds, settings.job_retention_bytes)
         self.reaper = ChildReaper()
         self.started_at = time.time()
@@ -195,10 +195,9 @@ class AgentService(SnapshotOperations):
             self.jobs.purge_expired()
 
     def _leave_behind(self, sandbox_id: str, group: SandboxCgroup, host_ids: Optional[tuple[int, int]]) -> None:
-        """Hand a group a delete could not remove, with the host ids it keeps, to the sweep."""
-        _, held = self._left_behind.setdefault(sandbox_id, (group, []))  # an earlier one of this id: same dirs
-        if host_ids is not None:
-            held.append(host_ids)
+        """Hand a group a delete could not remove, with the host ids it keeps, to the sweep
+        (no sandbox of that id is made again until the group is gone: see ``create``)."""
+        self._left_behind[sandbox_id] = (group, host_ids)
 
     async def _sweep_loop(self, interval: float) -> None:
         """A sandbox this agent deleted whose killed processes had not left its cgroup in
@@ -209,21 +208,24 @@ class AgentService(SnapshotOperations):
         behind: a group it does not know may be another live agent's on the same state dir."""
         while True:
             await asyncio.sleep(interval)
-            for sandbox_id, (group, held) in list(self._left_behind.items()):
-                if sandbox_id in self.sandboxes:
-                    continue  # made again under the same id, in the same directories: its delete empties them
-                try:
-                    group.kill_all()
-                    gone = group.remove()
-                except Exception:
-                    log.exception("sandbox %s: removing its leftover cgroup failed; trying again in %.0f s",
-                                  sandbox_id, interval)
-                    continue
-                if gone:
-                    del self._left_behind[sandbox_id]
-                    for ids in held:
-                        self.host_ids.release(ids)
-                    log.info("sandbox %s: its leftover cgroup is removed", sandbox_id)
+            for sandbox_id in list(self._left_behind):
+                self._sweep(sandbox_id)
+
+    def _sweep(self, sandbox_id: str) -> bool:
+        """Empty and remove the group ``sandbox_id``'s delete left behind; True once it is gone."""
+        group, held = self._left_behind[sandbox_id]
+        try:
+            group.kill_all()
+            if not group.remove():
+                return False
+        except Exception:
+            log.exception("sandbox %s: removing its leftover cgroup failed; the sweep tries again", sandbox_id)
+            return False
+        del self._left_behind[sandbox_id]
+        if held is not None:
+            self.host_ids.release(held)
+        log.info("sandbox %s: its leftover cgroup is removed", sandbox_id)
+        return True
 
     # -- sandboxes -----------------------------------------------------------------
     def _get(self, sandbox_id: str) -> SandboxState:
@@ -249,6 +251,9 @@ class AgentService(SnapshotOperations):
         reason = verify_image(spec.image, self.settings.image_policy())  # every runtime's images, once, here
         if reason:
             raise ImageRejected(f"image {spec.image!r} refused by policy: {reason}")
+        if sandbox_id in self._left_behind and not self._sweep(sandbox_id):  # its directories would be shared
+            raise SandboxIdBusy(f"sandbox id {sandbox_id!r}: the processes of the deleted sandbox of that id have "
+                                "not left its cgroup yet; retry later, or use another id")
         if len(self.sandboxes) >= self.settings.max_sandboxes:
             raise QuotaExceeded(f"this agent already hosts {len(self.sandboxes)} sandboxes (max_sandboxes)")
         assert self.runtime is not None

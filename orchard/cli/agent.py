@@ -21,6 +21,7 @@ def agent() -> None:
 @click.option("--uds", type=click.Path(path_type=Path), default=None, help="listen on this Unix socket")
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", type=int, default=0, help="listen on TCP (0: Unix socket in the state dir)")
+@handle_errors
 def serve(state_dir: Optional[Path], runtime: Optional[str], uds: Optional[Path], host: str, port: int) -> None:
     """Run an agent in the foreground."""
     from orchard.agent.main import serve as run

@@ -6,7 +6,9 @@ agent's next start or stop removed it, and the sandbox's host ids went to the ne
 while its processes were still there. The sweep empties and removes such groups while the
 agent runs and frees their host ids after; it never touches a group it did not leave behind
 (a review showed a sweep of "every group no sandbox of mine owns" killing the sandboxes of a
-second live agent on the same state dir).
+second live agent on the same state dir). A sandbox made again under the id of one whose
+group is left behind would share that group: it is refused (503 ``SandboxIdBusy``) until
+the group is gone.
 
 A process that outlives SIGKILL is made with cgroup v1's freezer: a frozen task does not
 die until it is thawed, as a process stuck in the kernel would not.
@@ -72,8 +74,8 @@ def _wait_until(condition, seconds: float) -> bool:
     return condition()
 
 
-def _create(http: httpx.Client) -> tuple[str, list[Path]]:
-    created = http.post("/sandboxes", json={"image": "host"}).json()
+def _create(http: httpx.Client, **fields) -> tuple[str, list[Path]]:
+    created = http.post("/sandboxes", json={"image": "host", **fields}).json()
     assert created["status"] == "ready", created
     groups = [Path(p) for p in cgroups_named(created["sandbox_id"])]
     assert groups
@@ -107,13 +109,16 @@ def test_a_group_a_delete_left_behind_is_removed_and_its_host_ids_freed_after(sw
     assert groups[0].exists() and stuck.poll() is None
     second, second_groups = _create(http)
     assert _host_uid(second_groups) != first_uid  # the ids stay with the group while its process lives
+    again = http.post("/sandboxes", json={"image": "host", "sandbox_id": first})  # would share the group
+    assert again.status_code == 503 and again.json()["error"]["type"] == "SandboxIdBusy", again.text
+    assert stuck.poll() is None and groups[0].exists()
     time.sleep(1.0)  # five sweeps: the group holds a process that cannot die yet
     assert groups[0].exists()
 
     (freezer / "freezer.state").write_text("THAWED")  # the pending SIGKILL ends it
     assert _wait_until(lambda: not any(group.exists() for group in groups), 10), "the leftover group is still there"
     assert stuck.wait(10) == -9
-    third, third_groups = _create(http)
+    third, third_groups = _create(http, sandbox_id=first)  # the id is free again too
     assert _host_uid(third_groups) == first_uid  # freed once the group was gone (lowest free ids first)
     for sandbox_id in (second, third):  # whole after many sweeps
         run = http.post(f"/sandboxes/{sandbox_id}/exec", json={"command": "echo alive", "wait": True})

@@ -21,6 +21,7 @@ import httpx
 
 from orchard import __version__
 from orchard.agent.settings import AgentSettings
+from orchard.agent.state_lock import LOCK_NAME
 from orchard.backends.api import AgentEndpoint
 from orchard.errors import BackendUnavailable
 
@@ -101,12 +102,53 @@ def ensure_agent(settings: AgentSettings) -> AgentEndpoint:
     with open(settings.agent_dir / "launch.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # two programs starting at once get one agent
         info = running_agent(settings)
+        if info is None and (pid := _lock_holder(settings)) is not None:
+            info = _await_slow_agent(settings, pid)  # never start a second agent beside a live one
         if info is not None and info.get("version") != __version__:
             info = _replace_outdated(settings, info)
         if info is None:
             info = _start(settings)
     token = (settings.agent_dir / "token").read_text().strip()
     return AgentEndpoint(url=info["address"], token=token)
+
+
+def _lock_holder(settings: AgentSettings) -> Optional[int]:
+    """The live agent of this state directory that holds its lock (``state_lock``), if any:
+    it may be starting, or too busy to answer ``/health`` in time."""
+    try:
+        return _if_agent_of(settings, int((settings.agent_dir / LOCK_NAME).read_text().strip()))
+    except (OSError, ValueError):
+        return None
+
+
+def _serving_pid(settings: AgentSettings) -> Optional[int]:
+    """The live agent named by ``agent.json`` (one of a version without the lock)."""
+    try:
+        return _if_agent_of(settings, int(json.loads((settings.agent_dir / "agent.json").read_text())["pid"]))
+    except (OSError, KeyError, TypeError, ValueError):
+        return None
+
+
+def _if_agent_of(settings: AgentSettings, pid: int) -> Optional[int]:
+    state_dir = _agent_state_dir(pid)  # the pid may have been reused since it was written
+    if state_dir is None or Path(state_dir).resolve() != Path(settings.state_dir).resolve() or not _pid_alive(pid):
+        return None
+    return pid
+
+
+def _await_slow_agent(settings: AgentSettings, pid: int) -> Optional[dict]:
+    """Wait for a live agent that does not answer yet; None once it has exited (a new one may start)."""
+    deadline = time.monotonic() + START_TIMEOUT
+    while _pid_alive(pid):
+        info = running_agent(settings)
+        if info is not None:
+            return info
+        if time.monotonic() > deadline:
+            raise BackendUnavailable(
+                f"the agent of {settings.state_dir} (pid {pid}) runs but has not answered /health for "
+                f"{START_TIMEOUT:.0f} s; see {settings.agent_dir / 'agent.log'}, or stop it (`orchard agent stop`)")
+        time.sleep(0.1)
+    return None
 
 
 def _replace_outdated(settings: AgentSettings, info: dict) -> Optional[dict]:
@@ -153,12 +195,8 @@ def _start(settings: AgentSettings) -> dict:
 def stop_agent(settings: AgentSettings, timeout: float = 20.0) -> bool:
     """Stop this state directory's agent (its sandboxes are deleted); False if none ran. One
     that does not answer (its loop stalled) is stopped too, and killed if it outlives ``timeout``."""
-    try:
-        pid = int(json.loads((settings.agent_dir / "agent.json").read_text())["pid"])
-    except (OSError, KeyError, TypeError, ValueError):
-        return False
-    state_dir = _agent_state_dir(pid)  # the pid may have been reused since agent.json was written
-    if state_dir is None or Path(state_dir).resolve() != Path(settings.state_dir).resolve() or not _pid_alive(pid):
+    pid = _lock_holder(settings) or _serving_pid(settings)  # the lock: also one still starting
+    if pid is None:
         return False
     os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + timeout
