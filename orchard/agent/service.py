@@ -196,7 +196,11 @@ class AgentService(SnapshotOperations):
 
     def _leave_behind(self, sandbox_id: str, group: SandboxCgroup, host_ids: Optional[tuple[int, int]]) -> None:
         """Hand a group a delete could not remove, with the host ids it keeps, to the sweep
-        (no sandbox of that id is made again until the group is gone: see ``create``)."""
+        (no sandbox of that id is made again until the group is gone: see ``create``). A lost
+        sandbox comes here twice, when its holder died and when it is deleted; only the first
+        time with its ids."""
+        if sandbox_id in self._left_behind and host_ids is None:
+            return
         self._left_behind[sandbox_id] = (group, host_ids)
 
     async def _sweep_loop(self, interval: float) -> None:

@@ -58,7 +58,12 @@ log = logging.getLogger(__name__)
 
 SPAWNER_FD = 5  # the holder's end, as the holder sees it (``--spawner 5``)
 PAYLOAD_MAX = 60 * 1024  # enter_spawner.c's SPAWN_PAYLOAD_MAX: longer requests go the old way
-START_TIMEOUT = 2.0  # seconds for the holder to fork and the child to say who it is, or to take its command
+# Seconds for the holder to fork and the child to say who it is, or to take its command.
+# A miss retires the spawner for good (the sandbox's commands go through orchard-enter, which
+# costs more CPU, so an overload fed itself), and a command taken after it fails the job; 2 s
+# ran out about 20 times in 8 minutes at a load of 30+ on 2 cores. Only the sandbox's own
+# commands wait on it: a sandbox stopping its prepared process delays itself, once.
+START_TIMEOUT = 10.0
 REPORT_GRACE = 10.0  # seconds between the command's end (pidfd) and the holder's report; 2 s ran out once on an
 # overloaded machine (load 30+ on 2 cores) and failed a rollout; a holder that died closes its socket (SpawnerLost
 # at once), so this wait only bounds a live holder that is late or stuck, and costs nothing on the usual path

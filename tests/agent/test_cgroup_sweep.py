@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import time
 import uuid
@@ -152,3 +153,28 @@ def test_the_sweep_never_touches_a_group_it_did_not_leave_behind(sweeping_agent)
 def test_the_sweep_interval_is_validated():
     with pytest.raises(ValueError, match="cgroup_sweep_seconds"):
         AgentSettings(cgroup_sweep_seconds=0)
+
+
+def test_a_lost_sandbox_deleted_before_its_group_empties_gives_back_its_host_ids(sweeping_agent, frozen_sleep):
+    """Lost (its holder killed) with a process stuck in its group, then deleted: the group is
+    left behind twice, once without the ids (already handed over); they must still come back
+    when the group goes (a review found them leaked: the next sandbox of that id got others)."""
+    http = sweeping_agent
+    stuck, freezer = frozen_sleep
+    first, groups = _create(http)
+    first_uid = _host_uid(groups)
+    others = [int(pid) for pid in (groups[0] / "cgroup.procs").read_text().split()]
+    (groups[0] / "cgroup.procs").write_text(str(stuck.pid))
+    (freezer / "freezer.state").write_text("FROZEN")
+    assert _wait_until(lambda: (freezer / "freezer.state").read_text().strip() == "FROZEN", 10)
+    for pid in others:  # the holder and its processes: the sandbox is lost
+        os.kill(pid, signal.SIGKILL)
+    assert _wait_until(lambda: http.get(f"/sandboxes/{first}").json()["status"] == "lost", 30)
+    assert http.delete(f"/sandboxes/{first}").status_code == 200
+    assert groups[0].exists() and stuck.poll() is None
+
+    (freezer / "freezer.state").write_text("THAWED")
+    assert _wait_until(lambda: not any(group.exists() for group in groups), 30), "the leftover group is still there"
+    again, again_groups = _create(http, sandbox_id=first)
+    assert _host_uid(again_groups) == first_uid
+    assert http.delete(f"/sandboxes/{again}").status_code == 200

@@ -24,7 +24,8 @@ from pathlib import Path
 import pytest
 
 from orchard.agent.cgroups import SandboxCgroup
-from orchard.agent.spawner import START_TIMEOUT, SpawnerClient, SpawnerLost, SpawnerUnavailable
+from orchard.agent import spawner as spawner_module
+from orchard.agent.spawner import SpawnerClient, SpawnerLost, SpawnerUnavailable
 
 PROBE = ("grep -E '^(Uid|Gid|Groups|Cap[A-Za-z]+|NoNewPrivs|Seccomp|Seccomp_filters):' /proc/self/status; "
          "cat /proc/self/oom_score_adj; pwd; ls /proc/self/fd | wc -l; "
@@ -188,7 +189,7 @@ def _holder_silent_on_the_second_request(sock: socket.socket, pid: int, events: 
     data, ancdata, _, _ = sock.recvmsg(64, socket.CMSG_SPACE(4))  # the next command's preparation
     events["next_request"] = data
     held = _descriptors(ancdata)
-    time.sleep(START_TIMEOUT + 1)  # its control socket open, never answered
+    time.sleep(spawner_module.START_TIMEOUT + 1)  # its control socket open, never answered
     sock.send(b"exit 1 7")
     events["reported"].set()
     events["done"].wait(10)
@@ -196,12 +197,13 @@ def _holder_silent_on_the_second_request(sock: socket.socket, pid: int, events: 
         os.close(fd)
 
 
-def test_a_preparation_failing_beside_a_running_command_leaves_that_command_alone():
+def test_a_preparation_failing_beside_a_running_command_leaves_that_command_alone(monkeypatch):
     """The next command's process is prepared while a command runs; when that preparation
     fails (no answer in time), the spawner takes no more commands, but the running one still
     gets its end reported, not SpawnerLost (which killed it and lost its output)."""
     import subprocess
 
+    monkeypatch.setattr(spawner_module, "START_TIMEOUT", 2.0)
     command = subprocess.Popen(["sleep", "30"], start_new_session=True)  # stands for the running command
     events = {"reported": threading.Event(), "done": threading.Event()}
 
@@ -213,7 +215,7 @@ def test_a_preparation_failing_beside_a_running_command_leaves_that_command_alon
         stdio = (os.open("/dev/null", os.O_RDONLY),) * 3
         try:
             spawned = await client.spawn(["true"], {}, "/", lambda: stdio)
-            code = await asyncio.wait_for(spawned.exited, START_TIMEOUT + 5)
+            code = await asyncio.wait_for(spawned.exited, spawner_module.START_TIMEOUT + 5)
             taking = client.alive
             await asyncio.sleep(0)
             return {"code": code, "taking": taking, "reading": client._reading}
@@ -250,7 +252,6 @@ def test_an_exit_report_is_awaited_for_its_grace_then_the_command_is_lost(monkey
     come later (on an overloaded machine it came over 2 s later: session 24). Within
     REPORT_GRACE it is the command's result; a report that never comes fails it as
     SpawnerLost after the grace, never a hang, and the sandbox's commands go the old way."""
-    from orchard.agent import spawner as spawner_module
 
     monkeypatch.setattr(spawner_module, "REPORT_GRACE", 5.0)  # 4 s to spare for the late one
     command = subprocess.Popen(["sh", "-c", "sleep 0.2; exit 3"], start_new_session=True)
@@ -463,7 +464,7 @@ def test_a_waiting_process_the_sandbox_stopped_is_replaced_without_a_wait(sandbo
     started = time.monotonic()
     job = sandbox.exec("echo $PPID; echo ok")
     assert (job.exit_code, job.stdout) == (0, "1\nok\n"), job  # run as asked, by a fresh one
-    assert time.monotonic() - started < START_TIMEOUT
+    assert time.monotonic() - started < 2.0  # seen stopped, not waited on (START_TIMEOUT is 10 s)
     assert sandbox.exec("echo still").stdout == "still\n"
     assert ppid(sandbox) == "1"
 
@@ -696,10 +697,11 @@ def test_the_prepared_process_joins_its_job_group_itself_without_stalling_the_lo
 
 
 @pytest.mark.parametrize("mode", ["lies", "silent"])
-def test_a_placement_is_read_back_from_the_group_not_believed(tmp_path, mode):
+def test_a_placement_is_read_back_from_the_group_not_believed(tmp_path, mode, monkeypatch):
     """A child that answers "g" without joining, or never answers, is refused; the spawner is
     dropped for the sandbox (commands go through orchard-enter), the child is killed, and the
     group whose descriptor it held is never handed out again."""
+    monkeypatch.setattr(spawner_module, "START_TIMEOUT", 2.0)  # "silent": the fake holder gives up after 5 s
     result, waiting = _prepare_against(tmp_path, mode)
     assert isinstance(result["outcome"], SpawnerUnavailable)
     assert not result["usable"]
@@ -713,7 +715,6 @@ def test_a_child_the_sandbox_killed_during_its_placement_is_replaced_not_called_
     reads ended): the preparation fails, its group is retired, and the spawner stays in use.
     (The fake kills 20 ms after its "g", far beyond the kernel's window: the grace is widened
     so a loaded machine cannot make the kill land after it.)"""
-    import orchard.agent.spawner as spawner_module
 
     monkeypatch.setattr(spawner_module, "DEATH_GRACE", 2.0)
     result, waiting = _prepare_against(tmp_path, mode)

@@ -23,6 +23,7 @@ import pytest
 from orchard.agent.state_lock import LOCK_NAME
 from orchard.backends.local.launcher import ensure_agent, running_agent, stop_agent
 from orchard.client import Client
+from orchard.errors import BackendUnavailable
 
 
 @pytest.fixture
@@ -92,3 +93,57 @@ def test_a_killed_agent_leaves_its_lock_to_the_next(settings):
     ensure_agent(settings)
     successor = int(running_agent(settings)["pid"])
     assert successor != pid and (settings.agent_dir / LOCK_NAME).read_text().strip() == str(successor)
+
+
+def test_an_agent_started_by_hand_is_waited_for_and_stopped_too(settings):
+    """``orchard agent serve`` / ``python -m orchard.agent --state-dir``: no ``--settings-json``
+    on its command line; the lock, not the command line, says it is this state dir's agent."""
+    settings.make_dirs()
+    by_hand = subprocess.Popen([sys.executable, "-m", "orchard.agent", "--state-dir", str(settings.state_dir)],
+                               stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 30
+        while running_agent(settings) is None:
+            assert time.monotonic() < deadline and by_hand.poll() is None, "the agent did not start"
+            time.sleep(0.05)
+        by_hand.send_signal(signal.SIGSTOP)
+        found: list = []
+        waiter = threading.Thread(target=lambda: found.append(ensure_agent(settings)))
+        waiter.start()
+        time.sleep(3)
+        by_hand.send_signal(signal.SIGCONT)
+        waiter.join(timeout=60)
+        assert found and int(running_agent(settings)["pid"]) == by_hand.pid  # that one, not a second
+        assert (settings.agent_dir / "agent.json").exists()
+        assert stop_agent(settings, timeout=20) and by_hand.wait(10) is not None
+    finally:
+        by_hand.send_signal(signal.SIGCONT)
+        by_hand.kill()
+        by_hand.wait()
+
+
+def test_a_forged_command_line_at_the_locks_pid_is_neither_waited_for_nor_signalled(settings):
+    """Say a pid recorded in agent.lock was reused by another user's process that calls itself an
+    agent of this state dir: only the kernel's record of the lock counts."""
+    ensure_agent(settings)
+    assert stop_agent(settings, timeout=10)
+    forged = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)", "orchard.agent",
+                               "--settings-json", json.dumps({"state_dir": str(settings.state_dir)})])
+    try:
+        (settings.agent_dir / LOCK_NAME).write_text(f"{forged.pid}\n")  # as if the old agent's pid were reused
+        started = time.monotonic()
+        ensure_agent(settings)
+        assert time.monotonic() - started < 20  # not the 30 s wait for a slow agent
+        assert int(running_agent(settings)["pid"]) != forged.pid
+        assert stop_agent(settings, timeout=10)
+        assert forged.poll() is None  # never signalled
+    finally:
+        forged.kill()
+        forged.wait()
+
+
+def test_a_lock_path_that_is_not_a_regular_file_is_a_typed_error(settings):
+    settings.make_dirs()
+    (settings.agent_dir / LOCK_NAME).mkdir()
+    with pytest.raises(BackendUnavailable, match="agent.lock.*not a regular file|agent.lock.*Is a directory"):
+        ensure_agent(settings)

@@ -10,6 +10,7 @@ import fcntl
 import json
 import logging
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -21,7 +22,7 @@ import httpx
 
 from orchard import __version__
 from orchard.agent.settings import AgentSettings
-from orchard.agent.state_lock import LOCK_NAME
+from orchard.agent.state_lock import LOCK_NAME, lock_holder
 from orchard.backends.api import AgentEndpoint
 from orchard.errors import BackendUnavailable
 
@@ -72,6 +73,8 @@ def _agent_state_dir(pid: int) -> Optional[str]:
         argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         if b"orchard.agent" not in argv:
             return None
+        if b"--state-dir" in argv:
+            return argv[argv.index(b"--state-dir") + 1].decode()
         return json.loads(argv[argv.index(b"--settings-json") + 1])["state_dir"]
     except (OSError, IndexError, KeyError, TypeError, ValueError):
         return None
@@ -102,7 +105,7 @@ def ensure_agent(settings: AgentSettings) -> AgentEndpoint:
     with open(settings.agent_dir / "launch.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # two programs starting at once get one agent
         info = running_agent(settings)
-        if info is None and (pid := _lock_holder(settings)) is not None:
+        if info is None and (pid := lock_holder(settings)) is not None:
             info = _await_slow_agent(settings, pid)  # never start a second agent beside a live one
         if info is not None and info.get("version") != __version__:
             info = _replace_outdated(settings, info)
@@ -112,34 +115,26 @@ def ensure_agent(settings: AgentSettings) -> AgentEndpoint:
     return AgentEndpoint(url=info["address"], token=token)
 
 
-def _lock_holder(settings: AgentSettings) -> Optional[int]:
-    """The live agent of this state directory that holds its lock (``state_lock``), if any:
-    it may be starting, or too busy to answer ``/health`` in time."""
-    try:
-        return _if_agent_of(settings, int((settings.agent_dir / LOCK_NAME).read_text().strip()))
-    except (OSError, ValueError):
-        return None
-
-
 def _serving_pid(settings: AgentSettings) -> Optional[int]:
-    """The live agent named by ``agent.json`` (one of a version without the lock)."""
+    """The live agent named by ``agent.json``, for a state directory no agent ever locked (one
+    of a version before the lock); otherwise only the lock's holder counts."""
+    if (settings.agent_dir / LOCK_NAME).exists():
+        return None
     try:
-        return _if_agent_of(settings, int(json.loads((settings.agent_dir / "agent.json").read_text())["pid"]))
+        pid = int(json.loads((settings.agent_dir / "agent.json").read_text())["pid"])
     except (OSError, KeyError, TypeError, ValueError):
         return None
-
-
-def _if_agent_of(settings: AgentSettings, pid: int) -> Optional[int]:
-    state_dir = _agent_state_dir(pid)  # the pid may have been reused since it was written
+    state_dir = _agent_state_dir(pid)  # the pid may have been reused since agent.json was written
     if state_dir is None or Path(state_dir).resolve() != Path(settings.state_dir).resolve() or not _pid_alive(pid):
         return None
     return pid
 
 
 def _await_slow_agent(settings: AgentSettings, pid: int) -> Optional[dict]:
-    """Wait for a live agent that does not answer yet; None once it has exited (a new one may start)."""
+    """Wait for a live agent that does not answer yet; None once it has let go of its lock
+    (it exited: a new one may start)."""
     deadline = time.monotonic() + START_TIMEOUT
-    while _pid_alive(pid):
+    while lock_holder(settings) == pid:
         info = running_agent(settings)
         if info is not None:
             return info
@@ -194,15 +189,28 @@ def _start(settings: AgentSettings) -> dict:
 
 def stop_agent(settings: AgentSettings, timeout: float = 20.0) -> bool:
     """Stop this state directory's agent (its sandboxes are deleted); False if none ran. One
-    that does not answer (its loop stalled) is stopped too, and killed if it outlives ``timeout``."""
-    pid = _lock_holder(settings) or _serving_pid(settings)  # the lock: also one still starting
+    that does not answer (its loop stalled) is stopped too, and killed if it outlives
+    ``timeout``. Signals go through a pidfd taken while the process held the lock, so a pid
+    reused meanwhile is never hit."""
+    pid = lock_holder(settings) or _serving_pid(settings)
     if pid is None:
         return False
-    os.kill(pid, signal.SIGTERM)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and _pid_alive(pid):
-        time.sleep(0.05)
-    if _pid_alive(pid):
-        log.warning("the agent of %s did not stop within %gs of SIGTERM; killing it", settings.state_dir, timeout)
-        os.kill(pid, signal.SIGKILL)
+    try:
+        pidfd = os.pidfd_open(pid)
+    except OSError:
+        return False  # gone already
+    try:
+        if pid != (lock_holder(settings) or _serving_pid(settings)):
+            return False  # it exited between the look-up and the pidfd: that pid may be another process now
+        signal.pidfd_send_signal(pidfd, signal.SIGTERM)
+        if not select.select([pidfd], [], [], timeout)[0]:
+            log.warning("the agent of %s did not stop within %gs of SIGTERM; killing it", settings.state_dir, timeout)
+            signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+            select.select([pidfd], [], [], 10.0)
+    finally:
+        os.close(pidfd)
+    try:
+        os.waitpid(pid, os.WNOHANG)  # an agent this process started is its child: reap it
+    except ChildProcessError:
+        pass
     return True
