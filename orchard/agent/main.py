@@ -97,13 +97,22 @@ def serve(settings: AgentSettings, uds: Optional[Path] = None, host: str = "127.
                                            "version": __version__}))
             os.replace(staging, info_path)
 
+    original_shutdown = server.shutdown
+
+    async def shutdown(sockets=None) -> None:
+        try:
+            await original_shutdown(sockets)  # the lifespan's end: the sandboxes are deleted
+        finally:
+            info_path.unlink(missing_ok=True)  # here: after it, uvicorn re-raises SIGTERM, and no finally runs
+
     server.startup = startup  # type: ignore[method-assign]
+    server.shutdown = shutdown  # type: ignore[method-assign]
     tune_after_startup(server)
     try:
         server.run()
     finally:
         info_path.unlink(missing_ok=True)
-        os.close(state_lock)  # only now may the next agent clean up after us
+        os.close(state_lock)  # the kernel drops it anyway when the process ends, however it ends
 
 
 def main() -> None:

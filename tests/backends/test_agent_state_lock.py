@@ -116,6 +116,7 @@ def test_an_agent_started_by_hand_is_waited_for_and_stopped_too(settings):
         assert found and int(running_agent(settings)["pid"]) == by_hand.pid  # that one, not a second
         assert (settings.agent_dir / "agent.json").exists()
         assert stop_agent(settings, timeout=20) and by_hand.wait(10) is not None
+        assert not (settings.agent_dir / "agent.json").exists()  # removed on the way out (uvicorn re-raises SIGTERM)
     finally:
         by_hand.send_signal(signal.SIGCONT)
         by_hand.kill()
