@@ -6,8 +6,12 @@ its own privileges, so images come only from places the operator named:
   never from inside the agent's state directory (its token, other sandboxes' layers);
 - ``docker://`` images from the allowed registries (a host, or host:port; a host alone
   allows any port), so a caller cannot make the agent probe internal addresses;
+- ``oras://``, ``library://`` and ``shub://`` images (pulled by Apptainer on Slurm pilots)
+  from the allowed registries too; one that names no host comes from Apptainer's configured
+  default remote, which the agent cannot see, so only ``registries: ['*']`` allows it;
 - where ``image_digests`` is set, only ``docker://`` images pinned by one of those digests
-  (skopeo checks the pulled manifest against the digest it was asked for).
+  (skopeo checks the pulled manifest against the digest it was asked for);
+- no other scheme: a runtime's puller would go wherever it points.
 Other plugins may refuse more; any refusal wins.
 """
 
@@ -40,6 +44,35 @@ def registry_allowed(registry: str, allowed: list[str]) -> bool:
         if entry == ANY_REGISTRY or entry == registry or (":" not in entry and entry == host):
             return True
     return registry == "docker.io" and "registry-1.docker.io" in allowed
+
+
+APPTAINER_SCHEMES = ("oras://", "library://", "shub://")
+
+
+def remote_host(reference: str) -> Optional[str]:
+    """The host an ``oras://``, ``library://`` or ``shub://`` reference is pulled from, or None
+    where it names none (``library://entity/collection/image``: Apptainer's default remote)."""
+    scheme, _, rest = reference.partition("://")
+    first, _, tail = rest.partition("/")
+    if scheme == "oras" or (tail and ("." in first or ":" in first or first == "localhost")):
+        return first.lower()
+    return None
+
+
+def remote_refusal(image: str, policy: dict[str, Any]) -> Optional[str]:
+    scheme = image.split("://", 1)[0]
+    if policy.get("image_digests"):
+        return f"only docker:// images pinned by digest are allowed, not {scheme}:// (setting image_digests)"
+    allowed = list(policy.get("registries", DEFAULT_REGISTRIES))
+    host = remote_host(image)
+    if host is None:
+        if ANY_REGISTRY in allowed:
+            return None
+        return (f"a {scheme}:// image that names no host comes from Apptainer's default remote, which only "
+                "registries: ['*'] allows; name the host (setting registries)")
+    if not registry_allowed(host, allowed):
+        return f"registry {host!r} is not in the allowed registries (setting registries)"
+    return None
 
 
 def digest_of(reference: str) -> Optional[str]:
@@ -88,6 +121,9 @@ def orchard_verify_image(image: str, policy: dict[str, Any]) -> Optional[str]:
             return f"registry {registry!r} is not in the allowed registries (setting registries)"
         digests = list(policy.get("image_digests") or [])
         return digest_refusal(image, digests) if digests else None
+    if image.startswith(APPTAINER_SCHEMES):
+        return remote_refusal(image, policy)
     if "://" in image and not image.startswith("dir://"):
-        return None  # other schemes (oras://, library://) are the runtimes' to accept or refuse
+        return (f"image scheme {image.split('://', 1)[0][:40]!r} is not supported: use 'host', a directory, "
+                "dir://, docker://, oras://, library:// or shub://")
     return directory_refusal(image, list(policy.get("image_dirs", [])), list(policy.get("protected_dirs", [])))

@@ -61,3 +61,24 @@ def test_the_agent_refuses_a_tag_before_pulling():
     finally:
         stop_agent(AgentSettings(state_dir=state))
         shutil.rmtree(state, ignore_errors=True)
+
+
+def test_apptainer_schemes_pass_the_same_allow_lists(tmp_path):
+    """oras://, library:// and shub:// (pulled by Apptainer on pilots) skipped the policy
+    entirely before (an audit found it): any host, any tag, with digests pinned or not."""
+    ours = policy(tmp_path, registries=["registry.example.org"])
+    assert verify_image("oras://registry.example.org/team/img:v1", ours) is None
+    assert "registry 'evil.example' is not in the allowed registries" in verify_image("oras://evil.example/x:v1", ours)
+    assert "not in the allowed registries" in verify_image("oras://169.254.169.254:80/x:v1", ours)
+    assert "not in the allowed registries" in verify_image("library://evil.example/entity/c/img:v1", ours)
+    assert "default remote" in verify_image("library://entity/collection/img:latest", ours)
+    assert "default remote" in verify_image("shub://user/image", ours)
+    anywhere = policy(tmp_path, registries=["*"])
+    assert verify_image("library://entity/collection/img:latest", anywhere) is None
+    pinned = policy(tmp_path, image_digests=[GOOD], registries=["*"])
+    assert "only docker:// images pinned by digest" in verify_image(f"oras://registry.example.org/x@{GOOD}", pinned)
+
+
+def test_an_unknown_scheme_is_refused(tmp_path):
+    for image in ("http://10.0.0.1/rootfs.tar", "file:///etc", "ftp://x/y", "instance://other-sandbox"):
+        assert "is not supported" in verify_image(image, policy(tmp_path)), image
