@@ -67,7 +67,16 @@ def test_bench_sandboxes_smoke(state, tmp_path):
     assert result["succeeded"] == 20 and result["failures"] == []
     assert result["leftovers"]["sandboxes"] == 0 and result["leftovers"]["sandbox_dirs"] == 0
     assert result["leftovers"]["mounts"] == 0
-    assert result["exec_idle_p50_ms"] > 0 and result["commands_per_second"] > 0
+    assert result["exec_idle_p50_ms"] > 0 and result["commands_per_second"] > 0 and result["commands_failed"] == 0
+
+
+def test_bench_sandboxes_counts_only_commands_that_succeeded(state, tmp_path):
+    output = tmp_path / "bench.json"
+    run = orchard("bench", "sandboxes", "-n", "2", "-m", "3", "-c", "2", "--latency-samples", "0", "--command",
+                  "false", "--output", str(output), env_state=state, check=False)
+    assert run.returncode == 1 and "failure bench-" in run.stdout  # failures fail the run
+    result = json.loads(output.read_text())
+    assert result["commands_failed"] == 6 and result["commands_per_second"] == 0
 
 
 def test_quickstart_runs_end_to_end(state):

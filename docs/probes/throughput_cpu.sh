@@ -35,7 +35,14 @@ import json
 bench = json.load(open("$work/bench.json"))
 user, system = map(float, open("$work/client.time").read().split()[-2:])
 per = 10 / (100 * $m)  # clock ticks (10 ms) -> ms per command
+problems = {k: bench[k] for k in ("failures", "commands_failed") if bench[k]}
+problems.update({k: v for k, v in bench["leftovers"].items() if v})
+if bench["succeeded"] != 100:
+    problems["succeeded"] = bench["succeeded"]
 print("$tag commands/s %s | ms of CPU per command: server %.2f, agent %.2f, sandbox processes %.2f, client %.2f, "
       "whole machine %.2f | cpu probe %s" % (bench["commands_per_second"], ($s1 - $s0) * per, ($a1 - $a0) * per,
       ($c1 - $c0) * per, (user + system) * 1000 / (100 * $m), ($m1 - $m0) * per, bench.get("cpu_probe_s")))
+if problems:  # a run with failed commands or leftovers is not a figure
+    raise SystemExit(f"$tag NOT VALID: {problems}")
+print("$tag: 100/100 sandboxes, every command exit 0, nothing left behind")
 PY

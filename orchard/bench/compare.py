@@ -35,7 +35,7 @@ from typing import Any, Optional
 
 
 from orchard.agent.runtimes.api import DEFAULT_PATH
-from orchard.bench.measure import cpu_probe, cpu_seconds, percentile
+from orchard.bench.measure import cpu_probe, cpu_seconds_fine, own_cpu_seconds, percentile
 from orchard.bench.serve_process import ServeProcess, free_port
 
 TRUE_COMMAND = "true"
@@ -162,12 +162,6 @@ class SwerexTarget(Target):
             self.server.wait(10)
 
 
-def _own_cpu() -> float:
-    """CPU of this process and its reaped children (SWE-ReX local's commands)."""
-    times = os.times()
-    return times.user + times.system + times.children_user + times.children_system
-
-
 def _summary(latencies: list[float]) -> dict[str, float]:
     return {"p50_ms": round(percentile(latencies, 50), 3), "p99_ms": round(percentile(latencies, 99), 3),
             "n": len(latencies)}
@@ -216,15 +210,15 @@ async def run(targets: list[str], sandboxes: int, commands: int, python_commands
         for start in range(0, len(plan), chunk):
             for target in chosen:
                 pid = target.server_pid()
-                client_cpu, server_cpu = _own_cpu(), cpu_seconds(pid) if pid else 0.0
+                client_cpu, server_cpu = own_cpu_seconds(), cpu_seconds_fine(pid) if pid else 0.0
                 for offset, (kind, command) in enumerate(plan[start:start + chunk]):
                     began = time.perf_counter()
                     await target.run((start + offset) % sandboxes, command)
                     spent = time.perf_counter() - began
                     lat[target.name][kind].append(spent * 1000)
                     busy[target.name] += spent
-                cpu[target.name][0] += _own_cpu() - client_cpu
-                cpu[target.name][1] += (cpu_seconds(pid) if pid else 0.0) - server_cpu
+                cpu[target.name][0] += own_cpu_seconds() - client_cpu
+                cpu[target.name][1] += (cpu_seconds_fine(pid) if pid else 0.0) - server_cpu
         load_after = os.getloadavg()
         for target in chosen:
             started = time.perf_counter()

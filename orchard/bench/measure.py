@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import resource
 import time
 from pathlib import Path
 
@@ -21,6 +22,26 @@ def cpu_seconds(pid: int) -> float:
     """User + system CPU of ``pid`` and its reaped children (utime+stime+cutime+cstime)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return sum(int(x) for x in fields[11:15]) / CLOCK_TICKS
+
+
+def cpu_seconds_fine(pid: int) -> float:
+    """``cpu_seconds`` at nanosecond resolution where the kernel keeps schedstats: the CPU of
+    ``pid``'s live threads from ``/proc/PID/task/*/schedstat``, plus its reaped children in
+    clock ticks. ``/proc/PID/stat`` counts in 10 ms ticks, too coarse for a chunk of 25
+    commands of a millisecond each. (A thread that exits between two readings takes its
+    time with it: fine for servers whose threads live as long as they do.)"""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        threads = sum(int((task / "schedstat").read_text().split()[0]) for task in Path(f"/proc/{pid}/task").iterdir())
+    except (OSError, ValueError, IndexError):
+        return cpu_seconds(pid)
+    return threads / 1e9 + sum(int(x) for x in fields[13:15]) / CLOCK_TICKS
+
+
+def own_cpu_seconds() -> float:
+    """CPU of this process (nanoseconds) and of its reaped children (microseconds)."""
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return time.process_time() + children.ru_utime + children.ru_stime
 
 
 def cpu_probe() -> float:

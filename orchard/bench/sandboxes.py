@@ -52,6 +52,7 @@ async def run(client: AsyncClient, sandboxes: int, commands: int, concurrency: i
     create_latency: list[float] = []
     exec_latency: list[float] = []
     failures: list[str] = []
+    nonzero = [0]  # commands that ran and exited non-zero: not counted in commands/s
     memory_before = mem_available()
     cpu_before = (cpu_seconds(agent_pid) if agent_pid else 0.0) + time.process_time()
 
@@ -60,6 +61,7 @@ async def run(client: AsyncClient, sandboxes: int, commands: int, concurrency: i
         job = await handle.exec(command)
         exec_latency.append(time.perf_counter() - start)
         if job.exit_code != 0:
+            nonzero[0] += 1
             failures.append(f"{handle.id}: exit {job.exit_code} {job.stderr[-200:]}")
 
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
@@ -95,7 +97,7 @@ async def run(client: AsyncClient, sandboxes: int, commands: int, concurrency: i
                         failures.append(f"{handle.id}: {type(exc).__name__}: {exc}")
 
         phase_two = bar.add_task("commands", total=None)
-        throughput_start, first_count = time.perf_counter(), len(exec_latency)
+        throughput_start, first_count, first_nonzero = time.perf_counter(), len(exec_latency), nonzero[0]
         await asyncio.gather(*(rest(handle) for handle in created))
         throughput_wall = time.perf_counter() - throughput_start
         bar.remove_task(phase_two)
@@ -127,8 +129,9 @@ async def run(client: AsyncClient, sandboxes: int, commands: int, concurrency: i
         "exec_under_load_p99_ms": round(percentile(exec_latency, 99) * ms, 2),
         "exec_idle_p50_ms": round(percentile(latency, 50) * ms, 2),
         "exec_idle_p99_ms": round(percentile(latency, 99) * ms, 2),
-        "commands_per_second": round((total_commands - first_count) / throughput_wall, 1)
-        if commands > 1 and throughput_wall else round(total_commands / wall, 1),
+        "commands_per_second": round((total_commands - first_count - (nonzero[0] - first_nonzero)) / throughput_wall, 1)
+        if commands > 1 and throughput_wall else round((total_commands - nonzero[0]) / wall, 1),  # exit 0 only
+        "commands_failed": len(failures) - (sandboxes - len(created)),
         "cpu_ms_per_command": round(cpu_used * ms / max(1, total_commands), 2),
         "cpu_ms_per_sandbox_lifecycle": round(cpu_used * ms / max(1, sandboxes), 2),
         "idle_memory_total_mib": round(memory_idle / 2**20, 1),

@@ -99,6 +99,8 @@ def test_disk_quota_gives_a_clear_error(orchard_client, orchard_image, orchard_u
     with orchard_client.create(orchard_image, disk="8Mi") as tiny:
         job = tiny.exec("head -c 20000000 /dev/zero > /tmp/big")
         assert job.exit_code != 0 and "No space left on device" in job.stderr
+        written = int(tiny.exec("stat -c %s /tmp/big").stdout)
+        assert written <= 8 << 20, f"{written} bytes written under an 8 MiB quota"  # stopped at the quota
         assert tiny.exec("rm -f /tmp/big && echo freed").stdout == "freed\n"
 
 

@@ -15,6 +15,7 @@ import threading
 import httpx
 import pytest
 
+from orchard.webapi import OPEN_PATHS
 from tests.reliability.load import agent_pid, rss_bytes
 from tests.server.conftest import API_KEY, ServerProcess
 
@@ -73,9 +74,22 @@ def test_absurd_resource_values_are_422(server):
             assert answer.status_code == 422, (spec, answer.status_code, answer.text[:200])
 
 
+def _every_route(http: httpx.Client, sid: str) -> list[tuple[str, str]]:
+    """Every (method, path) of the served OpenAPI schema but the open ones, on sandbox ``sid``."""
+    routes = []
+    for template, methods in http.get("/openapi.json").json()["paths"].items():
+        if template in OPEN_PATHS:
+            continue
+        path = template.replace("{sandbox_id}", sid).replace("{job_id}", "x").replace("{snapshot_id}", "x")
+        assert "{" not in path, template  # a new path parameter: name a value for it here
+        routes += [(method.upper(), path) for method in methods]
+    return routes
+
+
 def test_no_key_wrong_key_and_another_sandboxs_token_are_refused(server, sid):
-    routes = [("GET", "/sandboxes"), ("GET", f"/sandboxes/{sid}"), ("POST", f"/sandboxes/{sid}/exec"),
-              ("GET", "/jobs/x"), ("GET", "/resources"), ("GET", "/metrics"), ("DELETE", f"/sandboxes/{sid}")]
+    with server.http() as http:
+        routes = _every_route(http, sid)
+    assert len(routes) >= 20, routes  # the schema was read (23 routes today), not an empty list
     for key in (None, "", "wrong", API_KEY + "x", API_KEY[:-1], API_KEY.upper()):
         with server.http(api_key=key or None) as http:
             for method, path in routes:
@@ -245,12 +259,14 @@ def test_a_blocked_sandbox_reaches_no_loopback_service_nor_abstract_socket(serve
 
 def test_setuid_binaries_and_nested_namespaces_give_nothing(server, sid):
     with server.http() as http:
-        result = run(http, sid, "ls -l /usr/bin/su | cut -c1-10; grep NoNewPrivs /proc/self/status; "
-                                "su -c id root </dev/null 2>&1 | head -1; echo su=$?; "
+        result = run(http, sid, "stat -c mode=%A /usr/bin/su; grep NoNewPrivs /proc/self/status; "
+                                "su -c id root </dev/null >/tmp/su.out 2>&1; echo su=$?; head -c 300 /tmp/su.out; echo; "
                                 "unshare -U true 2>&1; echo userns=$?; unshare -r id 2>&1; echo root=$?; "
                                 "unshare -n true 2>&1; echo netns=$?; id -u")
     out = result["stdout"]
+    assert "mode=-rws" in out, out  # the set-uid bit is there to try: what stops it is the sandbox
     assert "NoNewPrivs:\t1" in out
+    assert "su=0" not in out and "uid=0" not in out, out  # su failed, nothing ran as root
     assert "userns=0" not in out and "root=0" not in out and "netns=0" not in out, out
     assert out.rstrip().endswith("1000"), out
 
@@ -268,7 +284,8 @@ def test_path_tricks_and_a_symlink_race_in_file_calls_stay_inside(server, sid):
         payload = base64.b64encode(b"pwned\n").decode()
         for i in range(40):
             for path in ("/workspace/flip/hostname", "/workspace/flip/../flip/hostname", "/workspace/../proc/sys/kernel/hostname"):
-                http.post(f"/sandboxes/{sid}/files", json={"path": path, "content": payload})
+                answer = http.post(f"/sandboxes/{sid}/files", json={"path": path, "content": payload})
+                assert answer.status_code < 500, (path, answer.text)
             for path in ("/workspace/flip/shadow", "/workspace/flip/../../etc/shadow", "../../../../etc/shadow",
                          "/proc/1/root/etc/shadow", "/proc/self/root/../../etc/shadow"):
                 answer = http.get(f"/sandboxes/{sid}/files", params={"path": path})

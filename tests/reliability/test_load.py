@@ -44,7 +44,9 @@ def load(server_factory, sandboxes: int, rss_budget_mb: dict[str, int]) -> dict:
 
 
 def test_64_sandboxes_x_10_commands_at_128_callers(server_factory):
-    load(server_factory, 64, {"server": 150, "agent": 150})
+    # Measured growth +2.7 MB (server) and +4.4 MB (agent); 40 MB leaves room for the
+    # allocator on a loaded CI machine and still catches a leak of a few hundred kB a sandbox.
+    load(server_factory, 64, {"server": 40, "agent": 40})
 
 
 @pytest.mark.slow
