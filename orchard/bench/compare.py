@@ -41,7 +41,7 @@ from orchard.bench.serve_process import ServeProcess, free_port
 TRUE_COMMAND = "true"
 PYTHON_COMMAND = "python3 -c 'print(sum(range(1000)))'"
 SWEREX_REMOTE_WAYS = {"swerex-remote": "shell", "swerex-remote-bash": "bash", "swerex-remote-session": "session"}
-TARGETS = ("orchard", "orchard-server", "swerex-local", *SWEREX_REMOTE_WAYS)
+TARGETS = ("orchard", "orchard-direct", "orchard-server", "swerex-local", *SWEREX_REMOTE_WAYS)
 REFERENCE = "swerex-remote"  # the issue's peer; ratios to the other remote ways are reported beside it
 
 
@@ -62,8 +62,14 @@ class Target:
 
 
 class OrchardTarget(Target):
-    def __init__(self, name: str, url: Optional[str], api_key: Optional[str], agent: dict[str, Any], image: str) -> None:
+    """``orchard``: the SDK in process with the local backend; ``orchard-server``: through
+    ``orchard serve``; ``orchard-direct``: sandboxes made through the server, commands sent
+    straight to their agent (the SDK's ``direct=True``, a trainer's hot path)."""
+
+    def __init__(self, name: str, url: Optional[str], api_key: Optional[str], agent: dict[str, Any], image: str,
+                 direct: bool = False) -> None:
         self.name, self.url, self.api_key, self.agent, self.image = name, url, api_key, agent, image
+        self.direct = direct
         self.client: Any = None
         self.sandboxes: list[Any] = []
 
@@ -71,7 +77,7 @@ class OrchardTarget(Target):
         from orchard.client.aio import AsyncClient
 
         if self.url:
-            self.client = AsyncClient(self.url, self.api_key)
+            self.client = AsyncClient(self.url, self.api_key, direct=self.direct)
         else:
             self.client = AsyncClient(backend="local", backend_settings={"agent": self.agent})
         await self.client.__aenter__()
@@ -182,9 +188,9 @@ async def run(targets: list[str], sandboxes: int, commands: int, python_commands
     for name in targets:
         if name == "orchard":
             chosen.append(OrchardTarget(name, None, None, agent, image))
-        elif name == "orchard-server":
-            server = ServeProcess({"name": "local", "settings": {"agent": agent}}, work)
-            chosen.append(OrchardTarget(name, server.url, server.api_key, agent, image))
+        elif name in ("orchard-server", "orchard-direct"):
+            server = server or ServeProcess({"name": "local", "settings": {"agent": agent}}, work)
+            chosen.append(OrchardTarget(name, server.url, server.api_key, agent, image, direct=name == "orchard-direct"))
         elif name == "swerex-local":
             chosen.append(SwerexTarget(name, remote=False))
         elif name in SWEREX_REMOTE_WAYS:

@@ -243,8 +243,9 @@ def session(image: str, samples: int, command: str, output: Optional[Path], dire
 
 
 @bench.command("compare")
-@click.option("--targets", default="orchard,orchard-server,swerex-local,swerex-remote", show_default=True,
-              help="comma-separated: orchard (SDK in process), orchard-server (through `orchard serve`), "
+@click.option("--targets", default="orchard,orchard-direct,orchard-server,swerex-local,swerex-remote", show_default=True,
+              help="comma-separated: orchard (SDK in process), orchard-direct (made through `orchard serve`, "
+                   "commands straight to the agent), orchard-server (through `orchard serve`), "
                    "swerex-local, swerex-remote (sh -c), swerex-remote-bash (bash -c, as Orchard runs commands), "
                    "swerex-remote-session (a persistent bash, SWE-agent's way)")
 @click.option("-n", "--sandboxes", type=int, default=1, show_default=True,

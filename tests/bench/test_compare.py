@@ -44,3 +44,12 @@ def test_swerex_bash_runs_bash_and_swerex_shell_runs_sh():
     sh_is_bash = os.path.basename(os.path.realpath("/bin/sh")) == "bash"  # Debian's is dash
     assert (asyncio.run(shell_of("shell")).strip() != "none") == sh_is_bash
     assert asyncio.run(shell_of("session")).strip() != "none"
+
+
+def test_the_orchard_ways_in_process_direct_and_through_the_server():
+    """``orchard-direct`` makes its sandboxes through the server and sends commands to the agent."""
+    result = asyncio.run(run(["orchard", "orchard-direct", "orchard-server", "swerex-remote"], sandboxes=1, commands=3,
+                             python_commands=1, chunk=2, image="host", spawner=True, state_dir=None))
+    assert set(result["ratio_to_swerex_remote"]) == {"orchard", "orchard-direct", "orchard-server"}
+    for name in ("orchard-direct", "orchard-server"):
+        assert result[name]["true"]["n"] == 3 and result[name]["true"]["p50_ms"] > 0
