@@ -2,12 +2,12 @@
 PYTHON ?= python3
 VENV ?= .venv
 PIP := $(VENV)/bin/pip
-# Debian packages: bubblewrap (isolation), skopeo + umoci (docker:// images), docker-registry and
+# Debian packages: bubblewrap (isolation), skopeo + umoci (docker:// images; gnupg signs them in tests), docker-registry and
 # busybox-static (a real registry and images for tests), gcc + libc6-dev (the static orchard-enter helper and
 # the bundle launcher), debootstrap (foreign root filesystems for the agent-bundle tests), binutils (strip),
 # charliecloud-runtime, podman + runc (the Slurm backend's charliecloud and podman runtimes), python3 (the
 # system Python the non-root pilot test runs as an ordinary user).
-SYSTEM_PACKAGES := postgresql bubblewrap gdb skopeo umoci docker-registry busybox-static gcc libc6-dev iproute2 git procps util-linux \
+SYSTEM_PACKAGES := postgresql bubblewrap gdb skopeo umoci gnupg docker-registry busybox-static gcc libc6-dev iproute2 git procps util-linux \
 	debootstrap dash binutils charliecloud-runtime podman runc python3
 TORCH_VERSION := 2.13.0
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)

@@ -12,6 +12,7 @@ import asyncio
 import hashlib
 import json
 import os
+import re
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -40,8 +41,15 @@ class ResolvedImage:
 
 
 def _last_line(text: str) -> str:
+    """A tool's last word: skopeo's ``time=... level=fatal msg="..."`` reduced to its message."""
     lines = [line for line in text.strip().splitlines() if line.strip()]
-    return lines[-1] if lines else "(no message)"
+    if not lines:
+        return "(no message)"
+    found = LOGRUS_MESSAGE.search(lines[-1])
+    return found.group(1).replace('\\"', '"') if found else lines[-1]
+
+
+LOGRUS_MESSAGE = re.compile(r'msg="((?:[^"\\]|\\.)*)"')
 
 
 class ImageStore:
@@ -53,6 +61,14 @@ class ImageStore:
         self.owner = owner
         self.policy = policy  # for the orchard_verify_image hooks (AgentSettings.image_policy)
         self.insecure_registries = list(policy.get("insecure_registries", []))
+        # skopeo's own trust policy (signatures) and where signatures lie; enforced on every pull
+        self.trust = [f"--{option}={policy[name]}" for name, option in
+                      (("signature_policy", "policy"), ("registries_d", "registries.d")) if policy.get(name)]
+        # The cache is keyed by digest, and a cached image is not pulled again: one pulled under
+        # no trust policy, or another, must not pass for one checked under this one.
+        self.trust_tag = ""
+        if policy.get("signature_policy"):
+            self.trust_tag = "-trust-" + hashlib.sha256(Path(policy["signature_policy"]).read_bytes()).hexdigest()[:12]
         self._digests: dict[str, tuple[str, float]] = {}
         self._locks: dict[str, asyncio.Lock] = {}
 
@@ -154,7 +170,7 @@ class ImageStore:
 
     async def _pull(self, reference: str) -> ResolvedImage:
         digest = await self._digest(reference)
-        target = self.cache_dir / digest.replace(":", "-")
+        target = self.cache_dir / (digest.replace(":", "-") + self.trust_tag)
         lock = self._locks.setdefault(digest, asyncio.Lock())
         async with lock:
             if not (target / "rootfs").is_dir():
@@ -174,8 +190,10 @@ class ImageStore:
             os.chown(staging, *self.owner)
             uid = self.owner[0]
         try:
-            code, _, err = await self._run("skopeo", "copy", "--quiet", *self._tls_flag(reference, "src-tls-verify"),
-                                      reference, f"oci:{staging}/oci:image", uid=uid, home=staging)
+            # signatures are checked against the trust policy here; an OCI layout cannot store them
+            code, _, err = await self._run("skopeo", *self.trust, "copy", "--quiet", "--remove-signatures",
+                                           *self._tls_flag(reference, "src-tls-verify"), reference,
+                                           f"oci:{staging}/oci:image", uid=uid, home=staging)
             if code != 0:
                 raise ImageRejected(f"image {reference!r} cannot be pulled: {_last_line(err)}")
             code, _, err = await self._run("umoci", "unpack", "--rootless", "--image", f"{staging}/oci:image",

@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 from typing import Any, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, DirectoryPath, Field, FilePath, field_validator
 
 from orchard.agent.host_ids import DEFAULT_HOST_UID
 from orchard.agent.image_policy import DEFAULT_REGISTRIES
@@ -57,6 +57,13 @@ class AgentSettings(BaseModel):
     image_digests: list[str] = Field(default_factory=list,
                                      description="when set, docker:// images must be pinned by one of these digests "
                                      "('IMAGE@sha256:...'); a tag alone is refused, since a tag can be moved")
+    signature_policy: Optional[FilePath] = Field(
+        None, description="a containers-policy.json(5) file skopeo enforces on every docker:// pull, e.g. signedBy "
+        "GPG keys or sigstoreSigned keys per registry; null: skopeo's default (/etc/containers/policy.json). It, the "
+        "keys it names and registries_d must be readable by the agent's unprivileged image owner")
+    registries_d: Optional[DirectoryPath] = Field(
+        None, description="a containers-registries.d(5) directory: where skopeo finds the signatures "
+        "signature_policy asks for (a lookaside store)")
     image_dirs: list[str] = Field(default_factory=list,
                                   description="directories that directory images may come from (besides STATE/rootfs)")
     protected_dirs: list[str] = Field(default_factory=list,
@@ -123,6 +130,8 @@ class AgentSettings(BaseModel):
         """What the ``orchard_verify_image`` hooks are given."""
         return {"registries": self.registries, "insecure_registries": self.insecure_registries,
                 "image_digests": self.image_digests,
+                "signature_policy": str(self.signature_policy) if self.signature_policy else None,
+                "registries_d": str(self.registries_d) if self.registries_d else None,
                 "image_dirs": [str(self.rootfs_dir), *self.image_dirs],
                 "protected_dirs": [str(self.agent_dir), str(self.sandboxes_dir), str(self.images_dir),
                                    str(self.share_dir), *self.protected_dirs]}
