@@ -40,6 +40,14 @@ class ResolvedImage:
 
 
 
+def pinned(reference: str, digest: str) -> str:
+    """``docker://REPO@DIGEST`` for ``docker://REPO[:TAG][@DIGEST]``: what was inspected is what
+    gets pulled, even if the tag moves in between (the cache is keyed by the inspected digest)."""
+    name = reference.removeprefix("docker://").split("@", 1)[0]
+    head, slash, last = name.rpartition("/")
+    return f"docker://{head}{slash}{last.split(':', 1)[0]}@{digest}"
+
+
 def _last_line(text: str) -> str:
     """A tool's last word: skopeo's ``time=... level=fatal msg="..."`` reduced to its message."""
     lines = [line for line in text.strip().splitlines() if line.strip()]
@@ -192,7 +200,7 @@ class ImageStore:
         try:
             # signatures are checked against the trust policy here; an OCI layout cannot store them
             code, _, err = await self._run("skopeo", *self.trust, "copy", "--quiet", "--remove-signatures",
-                                           *self._tls_flag(reference, "src-tls-verify"), reference,
+                                           *self._tls_flag(reference, "src-tls-verify"), pinned(reference, digest),
                                            f"oci:{staging}/oci:image", uid=uid, home=staging)
             if code != 0:
                 raise ImageRejected(f"image {reference!r} cannot be pulled: {_last_line(err)}")

@@ -183,3 +183,29 @@ def test_an_image_directory_swapped_for_a_symlink_mid_import_copies_nothing_of_t
     except ImageRejected:
         pass  # refusing the swapped directory is as good
     assert done.is_set()
+
+
+def test_what_was_inspected_is_what_is_pulled_even_if_the_tag_moves(registry, scratch):
+    """The cache is keyed by the digest ``skopeo inspect`` gave; the pull then asks for that
+    digest, not the tag: a tag moved in between must not put other content under that key."""
+    import asyncio
+
+    from orchard.agent.images import ImageStore
+    from orchard.agent.reaper import ChildReaper
+
+    first, second = busybox_rootfs(scratch / "tag-first"), busybox_rootfs(scratch / "tag-second")
+    (first / "etc" / "which").write_text("first\n")
+    (second / "etc" / "which").write_text("second\n")
+
+    async def main() -> str:
+        reaper = ChildReaper()
+        reaper.install(asyncio.get_running_loop())
+        store = ImageStore(scratch / "tag-cache", None, {"insecure_registries": ["127.0.0.1"]}, reaper)
+        reference = registry.push_rootfs(first, "moving", env={}, workdir="/")
+        digest = await store._digest(reference)  # inspected: the first content
+        registry.push_rootfs(second, "moving", env={}, workdir="/")  # the tag moves before the pull
+        target = scratch / "tag-cache" / digest.replace(":", "-")
+        await store._unpack(reference, digest, target)
+        return (target / "rootfs" / "etc" / "which").read_text()
+
+    assert asyncio.run(main()) == "first\n"
