@@ -18,6 +18,7 @@ Other plugins may refuse more; any refusal wins.
 from __future__ import annotations
 
 import os
+import re
 from typing import Any, Optional
 
 from orchard.hookspecs import hookimpl
@@ -47,6 +48,7 @@ def registry_allowed(registry: str, allowed: list[str]) -> bool:
 
 
 APPTAINER_SCHEMES = ("oras://", "library://", "shub://")
+PLAIN_HOST = re.compile(r"[a-z0-9]([a-z0-9.-]*[a-z0-9])?(:[0-9]{1,5})?|\[[0-9a-f:.]+\](:[0-9]{1,5})?")
 
 
 def remote_host(reference: str) -> Optional[str]:
@@ -65,6 +67,8 @@ def remote_refusal(image: str, policy: dict[str, Any]) -> Optional[str]:
         return f"only docker:// images pinned by digest are allowed, not {scheme}:// (setting image_digests)"
     allowed = list(policy.get("registries", DEFAULT_REGISTRIES))
     host = remote_host(image)
+    if host is not None and not PLAIN_HOST.fullmatch(host):  # "allowed:443@evil" is evil's to a URL parser
+        return f"{scheme}:// image host {host[:80]!r} is not a plain host[:port]"
     if host is None:
         if ANY_REGISTRY in allowed:
             return None

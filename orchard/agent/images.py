@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Optional
 
+from orchard.agent.image_policy import registry_of
+from orchard.agent.image_trust import ImageTrust, repository
 from orchard.agent.reaper import ChildReaper, run_tool
 from orchard.agent.runtimes.mounts import system_binds
 from orchard.errors import ImageRejected, RuntimeUnavailable
@@ -43,9 +45,7 @@ class ResolvedImage:
 def pinned(reference: str, digest: str) -> str:
     """``docker://REPO@DIGEST`` for ``docker://REPO[:TAG][@DIGEST]``: what was inspected is what
     gets pulled, even if the tag moves in between (the cache is keyed by the inspected digest)."""
-    name = reference.removeprefix("docker://").split("@", 1)[0]
-    head, slash, last = name.rpartition("/")
-    return f"docker://{head}{slash}{last.split(':', 1)[0]}@{digest}"
+    return f"docker://{repository(reference)}@{digest}"
 
 
 def _last_line(text: str) -> str:
@@ -69,14 +69,7 @@ class ImageStore:
         self.owner = owner
         self.policy = policy  # for the orchard_verify_image hooks (AgentSettings.image_policy)
         self.insecure_registries = list(policy.get("insecure_registries", []))
-        # skopeo's own trust policy (signatures) and where signatures lie; enforced on every pull
-        self.trust = [f"--{option}={policy[name]}" for name, option in
-                      (("signature_policy", "policy"), ("registries_d", "registries.d")) if policy.get(name)]
-        # The cache is keyed by digest, and a cached image is not pulled again: one pulled under
-        # no trust policy, or another, must not pass for one checked under this one.
-        self.trust_tag = ""
-        if policy.get("signature_policy"):
-            self.trust_tag = "-trust-" + hashlib.sha256(Path(policy["signature_policy"]).read_bytes()).hexdigest()[:12]
+        self.trust = ImageTrust(policy)  # skopeo's trust options; cache keys that keep checked images apart
         self._digests: dict[str, tuple[str, float]] = {}
         self._locks: dict[str, asyncio.Lock] = {}
 
@@ -160,7 +153,9 @@ class ImageStore:
         return (0 if code == 1 and not problems else code), out, "\n".join(problems)  # device nodes are left out
 
     def _tls_flag(self, reference: str, option: str) -> list[str]:
-        host = reference.removeprefix("docker://").split("/", 1)[0].split(":", 1)[0]
+        """TLS off for the allowed insecure registries only, read as skopeo reads the reference
+        (``docker://localhost:5000`` is docker.io's ``library/localhost``, not localhost)."""
+        host = registry_of(reference).rsplit(":", 1)[0]
         return [f"--{option}=false"] if host in self.insecure_registries else []
 
     async def _digest(self, reference: str) -> str:
@@ -178,8 +173,8 @@ class ImageStore:
 
     async def _pull(self, reference: str) -> ResolvedImage:
         digest = await self._digest(reference)
-        target = self.cache_dir / (digest.replace(":", "-") + self.trust_tag)
-        lock = self._locks.setdefault(digest, asyncio.Lock())
+        target = self.cache_dir / self.trust.cache_name(digest, reference)
+        lock = self._locks.setdefault(target.name, asyncio.Lock())
         async with lock:
             if not (target / "rootfs").is_dir():
                 await self._unpack(reference, digest, target)
@@ -199,7 +194,7 @@ class ImageStore:
             uid = self.owner[0]
         try:
             # signatures are checked against the trust policy here; an OCI layout cannot store them
-            code, _, err = await self._run("skopeo", *self.trust, "copy", "--quiet", "--remove-signatures",
+            code, _, err = await self._run("skopeo", *self.trust.options, "copy", "--quiet", "--remove-signatures",
                                            *self._tls_flag(reference, "src-tls-verify"), pinned(reference, digest),
                                            f"oci:{staging}/oci:image", uid=uid, home=staging)
             if code != 0:

@@ -11,9 +11,12 @@ import os
 import shutil
 import subprocess
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
+from orchard.agent.settings import AgentSettings
+from orchard.backends.local.launcher import stop_agent
 from orchard.client import Client
 from orchard.errors import ImageRejected
 from tests.images import Registry, busybox_rootfs, have_image_tools
@@ -71,28 +74,31 @@ def signed_world():
                            capture_output=True)
         for path in (trust / "sigstore").rglob("*"):
             path.chmod(0o755 if path.is_dir() else 0o644)
+        (trust / "stranger.gpg").write_bytes(subprocess.run(
+            ["gpg", "--export", stranger], env={**os.environ, "GNUPGHOME": str(root / "gnupg-stranger")}, check=True,
+            capture_output=True).stdout)
+        (trust / "stranger.gpg").chmod(0o644)
         agent = {"state_dir": str(root / "state"), "registries": [registry.address], "idle_exit_seconds": None,
                  "signature_policy": str(trust / "policy.json"), "registries_d": str(trust / "registries.d")}
-        yield agent, images
+        yield agent, images, SimpleNamespace(root=root, trust=trust, registry=registry)
     finally:
-        from orchard.agent.settings import AgentSettings
-        from orchard.backends.local.launcher import stop_agent
-
-        stop_agent(AgentSettings(state_dir=root / "state"))
+        for state in root.glob("state*"):
+            stop_agent(AgentSettings(state_dir=state))
         registry.stop()
         shutil.rmtree(root, ignore_errors=True)
 
 
-def test_only_images_signed_by_the_trusted_key_are_pulled(signed_world):
-    from orchard.agent.settings import AgentSettings
-    from orchard.backends.local.launcher import stop_agent
+def _stopped(agent: dict) -> None:
+    assert stop_agent(AgentSettings(state_dir=agent["state_dir"]))
 
-    agent, images = signed_world
+
+def test_only_images_signed_by_the_trusted_key_are_pulled(signed_world):
+    agent, images, _ = signed_world
     lenient = {k: v for k, v in agent.items() if k not in ("signature_policy", "registries_d")}
     with Client(backend="local", backend_settings={"agent": lenient}) as client:  # caches the unsigned image
         with client.create(images["unsigned"]) as sandbox:
             assert sandbox.exec("cat /etc/which").stdout == "unsigned\n"
-    assert stop_agent(AgentSettings(state_dir=agent["state_dir"]))
+    _stopped(agent)
     with Client(backend="local", backend_settings={"agent": agent}) as client:
         with client.create(images["signed"]) as sandbox:
             assert sandbox.exec("cat /etc/which").stdout == "signed\n"
@@ -105,3 +111,49 @@ def test_only_images_signed_by_the_trusted_key_are_pulled(signed_world):
     unpacked = sorted(p.parent.name for p in cache.rglob("rootfs") if p.is_dir())
     assert len(unpacked) == 2 and sum("-trust-" in name for name in unpacked) == 1, unpacked
     # the unsigned one, cached by the lenient agent, was not taken for checked; the refused never unpacked
+    _stopped(agent)
+
+
+def test_a_digest_accepted_for_one_repository_is_checked_again_for_another(signed_world):
+    """A policy is scoped per repository: the same unsigned content under ``open`` (accepted
+    unsigned) and ``prod`` (signatures required) must not pass for ``prod`` from the cache
+    (a review found it did: the cache key was the digest and the policy only)."""
+    agent, images, world = signed_world
+    reg = world.registry.address
+    policy = world.trust / "scoped.json"
+    policy.write_text(json.dumps({"default": [{"type": "reject"}], "transports": {"docker": {
+        f"{reg}/open": [{"type": "insecureAcceptAnything"}],
+        f"{reg}/prod": [{"type": "signedBy", "keyType": "GPGKeys", "keyPath": str(world.trust / "ours.gpg")}]}}}))
+    policy.chmod(0o644)
+    for name in ("open", "prod"):
+        subprocess.run(["skopeo", "copy", "--quiet", "--src-tls-verify=false", "--dest-tls-verify=false",
+                        images["unsigned"], f"docker://{reg}/{name}:latest"], check=True, capture_output=True)
+    scoped = {**agent, "state_dir": str(world.root / "state-scoped"), "signature_policy": str(policy)}
+    with Client(backend="local", backend_settings={"agent": scoped}) as client:
+        with client.create(f"docker://{reg}/open:latest") as sandbox:
+            assert sandbox.exec("cat /etc/which").stdout == "unsigned\n"
+        with pytest.raises(ImageRejected, match="A signature was required"):
+            client.create(f"docker://{reg}/prod:latest")
+    _stopped(scoped)
+
+
+def test_a_changed_key_file_means_cached_images_are_checked_again(signed_world):
+    """The policy's text did not change, the key it names did (rotated, or revoked): what was
+    cached under the old key is pulled and checked again."""
+    agent, images, world = signed_world
+    rotated = world.trust / "rotating.gpg"
+    rotated.write_bytes((world.trust / "ours.gpg").read_bytes())
+    rotated.chmod(0o644)
+    policy = world.trust / "rotating.json"
+    policy.write_text((world.trust / "policy.json").read_text().replace(str(world.trust / "ours.gpg"), str(rotated)))
+    policy.chmod(0o644)
+    rotating = {**agent, "state_dir": str(world.root / "state-rotating"), "signature_policy": str(policy)}
+    with Client(backend="local", backend_settings={"agent": rotating}) as client:
+        with client.create(images["signed"]) as sandbox:
+            assert sandbox.exec("cat /etc/which").stdout == "signed\n"
+    _stopped(rotating)
+    rotated.write_bytes((world.trust / "stranger.gpg").read_bytes())  # now only the stranger's key is trusted
+    with Client(backend="local", backend_settings={"agent": rotating}) as client:
+        with pytest.raises(ImageRejected, match="Invalid GPG signature"):
+            client.create(images["signed"])
+    _stopped(rotating)

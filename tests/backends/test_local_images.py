@@ -209,3 +209,16 @@ def test_what_was_inspected_is_what_is_pulled_even_if_the_tag_moves(registry, sc
         return (target / "rootfs" / "etc" / "which").read_text()
 
     assert asyncio.run(main()) == "first\n"
+
+
+def test_tls_is_off_only_for_the_registry_skopeo_will_contact():
+    """``docker://localhost:5000`` (no path) is docker.io's ``library/localhost`` with tag 5000:
+    TLS stays on for it (it was turned off: a review found it)."""
+    from orchard.agent.images import ImageStore
+
+    store = ImageStore.__new__(ImageStore)
+    store.insecure_registries = ["localhost", "127.0.0.1"]
+    assert store._tls_flag("docker://localhost:5000", "tls-verify") == []
+    assert store._tls_flag("docker://127.0.0.1", "tls-verify") == []
+    assert store._tls_flag("docker://localhost:5000/img:1", "tls-verify") == ["--tls-verify=false"]
+    assert store._tls_flag("docker://127.0.0.1:5000/img", "tls-verify") == ["--tls-verify=false"]

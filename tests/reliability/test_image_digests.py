@@ -82,3 +82,13 @@ def test_apptainer_schemes_pass_the_same_allow_lists(tmp_path):
 def test_an_unknown_scheme_is_refused(tmp_path):
     for image in ("http://10.0.0.1/rootfs.tar", "file:///etc", "ftp://x/y", "instance://other-sandbox"):
         assert "is not supported" in verify_image(image, policy(tmp_path)), image
+
+
+def test_apptainer_hosts_must_be_plain(tmp_path):
+    """``allowed:443@evil`` reads as host "allowed" to a split at ':' and as host "evil" to a URL
+    parser (a review found it passed the allow-list)."""
+    ours = policy(tmp_path, registries=["allowed.example"])
+    for image in ("oras://allowed.example:443@evil.example/x:v1", "library://allowed.example:443@evil.example/e/c/i:v1",
+                  "shub://allowed.example:1@evil.example/u/c", "oras://allowed.example./x:v1"):
+        assert "is not a plain host[:port]" in verify_image(image, ours), image
+    assert verify_image("oras://allowed.example:5000/x:v1", ours) is None

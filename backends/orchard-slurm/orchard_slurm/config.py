@@ -38,6 +38,13 @@ class SlurmConfig(BackendConfig):
                                   description="registries docker:// images may come from (host or host:port; '*': any)")
     image_dirs: list[Path] = Field(default_factory=list, description="directories that directory images may come "
                                                                     "from (besides shared_dir/images)")
+    image_digests: list[str] = Field(default_factory=list, description="when set, docker:// images must be pinned "
+                                     "by one of these digests (as the agent's setting)")
+    signature_policy: Optional[Path] = Field(None, description="a containers-policy.json skopeo enforces on every "
+                                             "docker:// pull, on the nodes (as the agent's setting; the path must be "
+                                             "there); the apptainer runtime then refuses images it would pull itself")
+    registries_d: Optional[Path] = Field(None, description="where skopeo finds signatures (a containers-registries.d "
+                                         "directory on the nodes)")
     host_uid: int = Field(DEFAULT_HOST_UID + 10_000_000, gt=0, lt=2**31,
                           description="first host uid/gid of the sandboxes' range (root jobs): each sandbox gets an "
                                       "id of its own, claimed on its node")
@@ -100,6 +107,9 @@ class SlurmConfig(BackendConfig):
     def image_policy(self) -> dict[str, Any]:
         """The image policy of this backend's agents (see orchard.agent.image_policy)."""
         return {"registries": self.registries, "insecure_registries": self.insecure_registries,
+                "image_digests": self.image_digests,
+                "signature_policy": str(self.signature_policy) if self.signature_policy else None,
+                "registries_d": str(self.registries_d) if self.registries_d else None,
                 "image_dirs": [str(self.shared_dir / "images"), *map(str, self.image_dirs)],
                 "protected_dirs": [str(self.shared_dir / "pilots")]}
 

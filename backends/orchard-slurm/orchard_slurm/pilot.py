@@ -55,6 +55,10 @@ def read_stop_record(pilot_dir: Path) -> Optional[dict]:
         return None
 
 
+IMAGE_POLICY_SETTINGS = ("registries", "insecure_registries", "image_digests", "signature_policy", "registries_d",
+                         "image_dirs", "protected_dirs")  # SlurmConfig.image_policy() -> the pilot agent's settings
+
+
 def run_pilot(state_dir: str, runtime: str, host: Optional[str], max_sandboxes: int, image_policy: dict,
               host_ids: tuple[int, int, int, int], memory_share: Optional[int] = None) -> None:
     """Serve an agent for this pilot; ``host_ids`` (first uid, first gid, block, blocks to
@@ -70,8 +74,8 @@ def run_pilot(state_dir: str, runtime: str, host: Optional[str], max_sandboxes: 
                              **({"default_memory": str(memory_share)} if memory_share else {}),
                              host_uid=host_ids[0], host_gid=host_ids[1], host_id_count=host_ids[2],
                              host_id_search=host_ids[3],
-                             **{key: image_policy[key] for key in ("registries", "insecure_registries", "image_dirs",
-                                                                   "protected_dirs")})
+                             **{key: image_policy[key] for key in IMAGE_POLICY_SETTINGS
+                                if image_policy.get(key) is not None})
     stop_before_time_limit(Path(state_dir))
     serve(settings, host=host, port=free_port(host), log_level="warning",
           graceful_shutdown_seconds=GRACEFUL_SHUTDOWN_SECONDS)

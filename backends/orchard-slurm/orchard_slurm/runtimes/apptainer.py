@@ -106,6 +106,9 @@ class ApptainerRuntime(IsolationRuntime):
         if reference == "host":
             raise InvalidRequest("the apptainer runtime runs images: ask for a docker:// reference, a SIF file "
                                  "or a sandbox directory, not 'host'")
+        if reference.startswith(PULLED) and self.context.settings.signature_policy:
+            raise ImageRejected(f"image {reference!r}: signature_policy is set, and Apptainer pulls images itself, "
+                                "without it; give a SIF file (checked with `apptainer verify`) or a directory")
         if not reference.startswith(PULLED):
             if not Path(reference).exists():
                 raise ImageRejected(f"image {reference!r}: no such SIF file or directory")
