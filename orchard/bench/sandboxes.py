@@ -45,6 +45,7 @@ def _leftovers(client: AsyncClient) -> dict[str, int]:
 async def run(client: AsyncClient, sandboxes: int, commands: int, concurrency: int, command: str, image: str,
               latency_samples: int, progress: bool = True) -> dict[str, Any]:
     await client.resources()  # start the agent before the clock starts
+    found_before = _leftovers(client)  # what earlier runs or other programs left is not this run's
     probe_before = cpu_probe()
     agent_pid = _agent_pid(client)
     gate = asyncio.Semaphore(concurrency)
@@ -137,6 +138,8 @@ async def run(client: AsyncClient, sandboxes: int, commands: int, concurrency: i
         "idle_memory_total_mib": round(memory_idle / 2**20, 1),
         "idle_memory_per_sandbox_kib": round(memory_idle / 1024 / max(1, len(created)), 1),
         "delete_wall_seconds": round(delete_wall, 3),
-        "leftovers": {"sandboxes": len(remaining), **_leftovers(client)},
+        "leftovers": {"sandboxes": len(remaining),
+                      **{name: max(0, count - found_before.get(name, 0)) for name, count in _leftovers(client).items()}},
+        "found_before": found_before,
         "cpu_probe_s": {"before": probe_before, "after": cpu_probe()},  # the machine's speed: see measure.cpu_probe
     }
