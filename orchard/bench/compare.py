@@ -213,8 +213,9 @@ async def run(targets: list[str], sandboxes: int, commands: int, python_commands
                 await target.run(k, PYTHON_COMMAND)
         plan = [("true", TRUE_COMMAND)] * commands + [("python", PYTHON_COMMAND)] * python_commands
         load_before, probe_before = os.getloadavg(), cpu_probe()
-        for start in range(0, len(plan), chunk):
-            for target in chosen:
+        for round_index, start in enumerate(range(0, len(plan), chunk)):
+            first = round_index % len(chosen)  # each target opens as many rounds: the opener finds caches cold
+            for target in chosen[first:] + chosen[:first]:
                 pid = target.server_pid()
                 client_cpu, server_cpu = own_cpu_seconds(), cpu_seconds_fine(pid) if pid else 0.0
                 for offset, (kind, command) in enumerate(plan[start:start + chunk]):
