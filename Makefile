@@ -6,8 +6,8 @@ PIP := $(VENV)/bin/pip
 # busybox-static (a real registry and images for tests), gcc + libc6-dev (the static orchard-enter helper and
 # the bundle launcher), debootstrap (foreign root filesystems for the agent-bundle tests), binutils (strip),
 # charliecloud-runtime, podman + runc (the Slurm backend's charliecloud and podman runtimes), python3 (the
-# system Python the non-root pilot test runs as an ordinary user).
-SYSTEM_PACKAGES := postgresql bubblewrap gdb skopeo umoci gnupg docker-registry busybox-static gcc libc6-dev iproute2 git procps util-linux \
+# system Python the non-root pilot test runs as an ordinary user), libfaketime (a real server whose wall clock steps).
+SYSTEM_PACKAGES := postgresql bubblewrap gdb skopeo umoci gnupg libfaketime docker-registry busybox-static gcc libc6-dev iproute2 git procps util-linux \
 	debootstrap dash binutils charliecloud-runtime podman runc python3
 TORCH_VERSION := 2.13.0
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)

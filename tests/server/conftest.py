@@ -23,7 +23,9 @@ _counter = itertools.count()
 
 
 class ServerProcess:
-    def __init__(self, backend: Optional[dict[str, Any]] = None, **settings: Any) -> None:
+    def __init__(self, backend: Optional[dict[str, Any]] = None, env: Optional[dict[str, str]] = None,
+                 **settings: Any) -> None:
+        self.env = {**os.environ, **(env or {})}  # e.g. libfaketime for the server alone
         self.root = Path(f"/tmp/orchard-srv-{os.getpid()}-{next(_counter)}")
         self.root.mkdir(mode=0o755)
         self.agent_state = self.root / "agent"
@@ -41,7 +43,7 @@ class ServerProcess:
     def start(self) -> None:
         log = open(self.log_path, "ab")
         self.process = subprocess.Popen([sys.executable, "-m", "orchard.cli", "serve", "--config", str(self.config_path)],
-                                        stdout=log, stderr=log, start_new_session=True)
+                                        stdout=log, stderr=log, start_new_session=True, env=self.env)
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
