@@ -9,7 +9,10 @@ exclusive ``flock`` on ``/run/orchard/cgroup-owners/<agent name>``; the kernel d
 the agent dies, however it dies, and the next agent to start on the host removes every tree
 whose lock it can take and in which no process is left. A tree with no lock file (an agent
 of an older version) is left alone, and nothing is ever killed: only empty trees whose owner
-is known to be dead are removed.
+is known to be dead are removed. Pilots keep their trees below their own job's cgroup
+(``.../job_N/.../orchard/<agent name>``) and claim them the same way: a pilot killed outright
+left its tree there, which kept Slurm from removing the job's cgroup; the next pilot on the
+node removes it.
 """
 
 from __future__ import annotations

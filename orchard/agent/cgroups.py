@@ -200,6 +200,20 @@ class SandboxCgroup:
         return 0
 
 
+def orchard_dirs_below(roots: list[Path]) -> list[Path]:
+    """Every ``orchard`` directory below the hierarchy roots but at their top: where agents
+    running below their own cgroup (Slurm pilots) keep their trees. Sandbox groups are not
+    descended into (nothing in a sandbox can make cgroups)."""
+    found = []
+    for root in roots:
+        for directory, children, _ in os.walk(root):
+            if os.path.basename(directory) == "orchard":
+                if os.path.dirname(directory) != str(root):
+                    found.append(Path(directory))
+                children.clear()  # agents' trees: no pilot's below them
+    return found
+
+
 def own_v1_paths(proc_cgroup: str) -> dict[str, str]:
     """This process's cgroup in each v1 controller, from /proc/self/cgroup."""
     paths = {}
@@ -225,10 +239,13 @@ class CgroupManager:
         # tree where Slurm sets no pids cgroup) are claimed, where this agent can make any (a
         # container's read-only cgroupfs: none, and no claim file), so a later agent removes
         # them should this one be killed.
-        roots = {V1_ROOT, *(V1_ROOT / controller for controller in self.bases)}  # v2's, and each v1 hierarchy's
-        self.shared = [base for base in self.bases.values() if base.parent.parent in roots]
+        # A tree below the agent's own cgroup (a Slurm pilot's) is claimed too: a pilot killed
+        # outright leaves it there, and with it Slurm cannot remove the job's cgroup; a later
+        # agent on the node removes the trees whose claims are free (remove_dead_agents_trees).
+        self.roots = {V1_ROOT, *(V1_ROOT / controller for controller in self.bases)}  # v2's, and each v1 hierarchy's
+        self.shared = [base for base in self.bases.values() if base.parent.parent in self.roots]
         self.ownership = CgroupOwnership(agent_name)
-        if self.shared and self._writable():
+        if (self.shared and self._writable()) or (self.bases and self.below_own):
             self.ownership.hold()
 
     def _writable(self) -> bool:
@@ -312,7 +329,11 @@ class CgroupManager:
         cgroup_owners.py). Only trees with no process left in them, and nothing is killed: an
         agent that could not take its claim (its predecessor on the state directory took more
         than a few seconds to exit) looks dead from here while it lives."""
-        if not self.shared:
+        parents = {base.parent for base in self.shared}
+        if self.below_own:  # dead pilots' trees below their jobs' cgroups, wherever those are
+            hierarchies = [V1_ROOT] if self.mode == "v2" else sorted(self.roots - {V1_ROOT})
+            parents |= set(orchard_dirs_below([root for root in hierarchies if root.is_dir()]))
+        if not parents:
             return []
 
         def remove(tree: Path) -> bool:
@@ -322,9 +343,15 @@ class CgroupManager:
                 if time.monotonic() > deadline:
                     return False
                 time.sleep(0.05)
-            return group.remove() or not tree.exists()
+            gone = group.remove() or not tree.exists()
+            if gone and tree.parent.parent not in self.roots:  # a pilot's own "orchard" directory: its alone
+                try:
+                    tree.parent.rmdir()
+                except OSError:
+                    pass  # another tree of it is still there
+            return gone
 
-        return self.ownership.remove_orphans(sorted({base.parent for base in self.shared}), remove)
+        return self.ownership.remove_orphans(sorted(parents), remove)
 
     def leftovers(self) -> list[Path]:
         """Sandbox cgroups that still exist (for leak checks)."""

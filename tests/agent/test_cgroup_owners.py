@@ -119,3 +119,16 @@ def test_an_agent_killed_with_sigkill_leaves_a_tree_the_next_agent_removes(agent
         for name in "abc":
             stop_agent(settings[name])
             shutil.rmtree(settings[name].state_dir, ignore_errors=True)
+
+
+def test_pilots_trees_are_found_below_their_jobs_and_shared_ones_are_not(tmp_path):
+    from orchard.agent.cgroups import orchard_dirs_below
+
+    memory = tmp_path / "memory"
+    (memory / "orchard" / "agent-a" / "sbx-1").mkdir(parents=True)  # a shared tree: not below a job
+    (memory / "slurm" / "uid_0" / "job_7" / "step_0" / "task_0" / "orchard" / "pilot-x" / "sbx-2").mkdir(parents=True)
+    (memory / "slurm" / "uid_0" / "job_8" / "step_0" / "task_0" / "orchard" / "pilot-y" / "orchard").mkdir(parents=True)
+    (memory / "system.slice").mkdir()
+    found = orchard_dirs_below([memory])
+    assert sorted(str(p.relative_to(memory)) for p in found) == [
+        "slurm/uid_0/job_7/step_0/task_0/orchard", "slurm/uid_0/job_8/step_0/task_0/orchard"]  # not below a tree

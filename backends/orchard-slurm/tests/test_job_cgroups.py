@@ -65,6 +65,14 @@ def test_sandboxes_die_with_their_pilot_job_however_it_ends(slurm_cluster, runti
         assert marked_sleepers(mark) == [], f"a {runtime} sandbox outlived its Slurm job"
         assert lost_soon(client, sandbox.id)
         client.delete(sandbox.id)
+        # What the killed pilot left below its job's cgroup kept Slurm from removing that cgroup;
+        # the next pilot on the node removes it (its claim in /run/orchard/cgroup-owners is free).
+        left = [p for p in Path("/sys/fs/cgroup").glob(f"*/slurm*/uid_*/job_{job}/**/orchard/*") if p.is_dir()]
+        if runtime == "bwrap":
+            assert left, "the killed pilot left no tree: this check would prove nothing"
+        with client.create(image) as fresh:
+            assert fresh.exec("echo ok").stdout == "ok\n"
+        assert [p for p in left if p.exists()] == [], "a dead pilot's cgroup tree is still there"
 
 
 def test_a_pilot_jobs_memory_bounds_its_sandboxes(slurm_cluster):
