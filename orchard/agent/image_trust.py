@@ -17,11 +17,12 @@ from typing import Any, Iterator, Optional
 
 from orchard.errors import RuntimeUnavailable
 
-KEY_FIELDS = ("keyPath", "keyPaths")  # containers-policy.json(5): signedBy and sigstoreSigned keys
+# containers-policy.json(5): the files signedBy and sigstoreSigned requirements name
+KEY_FIELDS = ("keyPath", "keyPaths", "rekorPublicKeyPath", "caPath")
 
 
 def repository(reference: str) -> str:
-    """``docker://HOST/PATH`` of ``docker://HOST/PATH[:TAG][@DIGEST]``."""
+    """``HOST/PATH`` of ``docker://HOST/PATH[:TAG][@DIGEST]``."""
     name = reference.removeprefix("docker://").split("@", 1)[0]
     head, slash, last = name.rpartition("/")
     return f"{head}{slash}{last.split(':', 1)[0]}"
@@ -31,7 +32,8 @@ def _key_files(node: Any) -> Iterator[str]:
     if isinstance(node, dict):
         for name, value in node.items():
             if name in KEY_FIELDS:
-                yield from ([value] if isinstance(value, str) else [v for v in value if isinstance(v, str)])
+                values = [value] if isinstance(value, str) else value if isinstance(value, list) else []
+                yield from (v for v in values if isinstance(v, str))
             else:
                 yield from _key_files(value)
     elif isinstance(node, list):
