@@ -9,9 +9,12 @@ from __future__ import annotations
 import re
 import shlex
 import time
-from typing import Any, Callable, Literal, Optional, Union
+from typing import Any, Callable, ClassVar, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel, ConfigDict, Field, GetJsonSchemaHandler, ValidationError, field_validator, model_validator,
+)
+from pydantic.json_schema import JsonSchemaValue
 
 from orchard.quantities import (
     CPU_PATTERN, PIDS_MAX, PIDS_MIN, PIDS_RULE, QUANTITY_PATTERN, check_pids, parse_cpu, parse_disk, parse_memory,
@@ -83,7 +86,23 @@ def _text_problem(value: object) -> bool:
 
 
 class Request(BaseModel):
+    # Booleans and numbers are strict (true/false; numbers, not "5"; 0.0 is no boolean and true
+    # no number, though pydantic takes both by default), so the served schema says what is taken.
     model_config = ConfigDict(extra="ignore")
+    # Fields where null means "the default" (clients of the original service send nulls): the
+    # served schema says so, or a client generated from it could not send them (the long API
+    # fuzz found block_network: null accepted while the schema said boolean).
+    NULL_IS_DEFAULT: ClassVar[tuple[str, ...]] = ()
+
+    @classmethod
+    def __get_pydantic_json_schema__(cls, core_schema: Any, handler: GetJsonSchemaHandler) -> JsonSchemaValue:
+        schema = handler(core_schema)
+        properties = handler.resolve_ref_schema(schema).get("properties", {})
+        for name in cls.NULL_IS_DEFAULT:
+            field = properties[name]
+            kept = {key: field.pop(key) for key in ("title", "default", "description") if key in field}
+            properties[name] = {"anyOf": [field, {"type": "null"}], **kept}
+        return schema
 
     @model_validator(mode="after")
     def _utf8_only(self) -> "Request":
@@ -96,9 +115,11 @@ class Request(BaseModel):
 class SandboxSpec(Request):
     """Body of ``POST /sandboxes``."""
 
+    NULL_IS_DEFAULT = ("image", "block_network", "env", "labels")
+
     image: str = Field("host", min_length=1, max_length=4096,
                        description="'host', a root filesystem directory, or docker://REF")
-    block_network: bool = True
+    block_network: bool = Field(True, strict=True)
     sandbox_id: Optional[str] = Field(None, pattern=SANDBOX_ID_PATTERN)
     cpu: Optional[str] = Field(None, description="CPUs, '4' or '2000m': 0.01 to 1024",
                                json_schema_extra={"pattern": CPU_PATTERN})
@@ -106,8 +127,9 @@ class SandboxSpec(Request):
                                                     "to 64Ti", json_schema_extra={"pattern": QUANTITY_PATTERN})
     disk: Optional[str] = Field(None, description="writable-layer quota, e.g. '10Gi': a whole number of bytes from "
                                                   "1Mi to 64Ti", json_schema_extra={"pattern": QUANTITY_PATTERN})
-    pids: Optional[int] = Field(None, ge=PIDS_MIN, le=PIDS_MAX, description="max processes")
-    timeout: Optional[float] = Field(None, gt=0, le=3600, description="seconds to wait for readiness")
+    pids: Optional[int] = Field(None, ge=PIDS_MIN, le=PIDS_MAX, description="max processes (a whole number, or one "
+                                "written as a string, as Kubernetes quantities are)")
+    timeout: Optional[float] = Field(None, gt=0, le=3600, strict=True, description="seconds to wait for readiness")
     env: dict[str, str] = Field(default_factory=dict, json_schema_extra=ENV_SCHEMA)
     labels: dict[str, str] = Field(default_factory=dict)
     snapshot: Optional[str] = Field(None, pattern=SANDBOX_ID_PATTERN,
@@ -191,13 +213,15 @@ class Sandbox(BaseModel):
 class ExecRequest(Request):
     """Body of ``POST /sandboxes/{id}/exec``."""
 
+    NULL_IS_DEFAULT = ("env", "login_shell", "wait")
+
     command: Union[str, list[str]] = Field(json_schema_extra=COMMAND_SCHEMA)
-    timeout_seconds: Optional[float] = Field(None, gt=0, le=7 * 24 * 3600)
-    idle_timeout_seconds: Optional[float] = Field(None, gt=0, le=7 * 24 * 3600)
+    timeout_seconds: Optional[float] = Field(None, gt=0, le=7 * 24 * 3600, strict=True)
+    idle_timeout_seconds: Optional[float] = Field(None, gt=0, le=7 * 24 * 3600, strict=True)
     cwd: Optional[str] = Field(None, min_length=1, max_length=4096)
     env: dict[str, str] = Field(default_factory=dict, json_schema_extra=ENV_SCHEMA)
-    login_shell: bool = False
-    wait: bool = False
+    login_shell: bool = Field(False, strict=True)
+    wait: bool = Field(False, strict=True)
     stdin: Optional[str] = Field(None, max_length=64 << 20)
     job_id: Optional[str] = Field(None, pattern=JOB_ID_PATTERN, description="idempotency key")
 
@@ -274,6 +298,13 @@ class FileUpload(Request):
     content: str = Field(description="base64", json_schema_extra={"pattern": BASE64_PATTERN})
     mode: Optional[int] = Field(None, ge=0, le=0o7777)
 
+    @field_validator("mode", mode="before")
+    @classmethod
+    def _json_integer(cls, value: object) -> object:
+        if isinstance(value, (str, bool)):  # JSON's integers only (1935.0 is one): not "1935", not true
+            raise ValueError("mode must be a whole number")
+        return value
+
 
 class FileUploaded(BaseModel):
     success: bool = True
@@ -325,7 +356,7 @@ class Snapshot(BaseModel):
 
 class PatchRequest(Request):
     patch: str = Field(min_length=1)
-    timeout_seconds: Optional[float] = Field(None, gt=0, le=3600)
+    timeout_seconds: Optional[float] = Field(None, gt=0, le=3600, strict=True)
 
 
 class PatchResult(BaseModel):
