@@ -79,6 +79,13 @@ def remote_refusal(image: str, policy: dict[str, Any]) -> Optional[str]:
     return None
 
 
+def repository(reference: str) -> str:
+    """``HOST/PATH`` of ``docker://HOST/PATH[:TAG][@DIGEST]``."""
+    name = reference.removeprefix("docker://").split("@", 1)[0]
+    head, slash, last = name.rpartition("/")
+    return f"{head}{slash}{last.split(':', 1)[0]}"
+
+
 def digest_of(reference: str) -> Optional[str]:
     """The digest a ``docker://NAME[:TAG]@DIGEST`` reference is pinned by, if any."""
     name = reference.removeprefix("docker://")

@@ -15,17 +15,11 @@ import json
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
+from orchard.agent.image_policy import repository
 from orchard.errors import RuntimeUnavailable
 
 # containers-policy.json(5): the files signedBy and sigstoreSigned requirements name
 KEY_FIELDS = ("keyPath", "keyPaths", "rekorPublicKeyPath", "caPath")
-
-
-def repository(reference: str) -> str:
-    """``HOST/PATH`` of ``docker://HOST/PATH[:TAG][@DIGEST]``."""
-    name = reference.removeprefix("docker://").split("@", 1)[0]
-    head, slash, last = name.rpartition("/")
-    return f"{head}{slash}{last.split(':', 1)[0]}"
 
 
 def _key_files(node: Any) -> Iterator[str]:

@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Optional
 
-from orchard.agent.image_policy import registry_of
-from orchard.agent.image_trust import ImageTrust, repository
+from orchard.agent.image_policy import registry_of, repository
+from orchard.agent.image_trust import ImageTrust
 from orchard.agent.reaper import ChildReaper, run_tool
 from orchard.agent.runtimes.mounts import system_binds
 from orchard.errors import ImageRejected, RuntimeUnavailable
