@@ -17,6 +17,7 @@ from pathlib import PurePosixPath
 from typing import AsyncIterator, Optional
 
 from orchard.agent.cgroups import CgroupManager, SandboxCgroup
+from orchard.agent.egress import Egress, choose_egress
 from orchard.agent.files import SandboxFiles
 from orchard.agent.host_ids import HostIdPool, claim_host_ids
 from orchard.agent.images import ImageStore
@@ -49,7 +50,9 @@ log = logging.getLogger("orchard.agent")
 PURGE_INTERVAL = 30.0
 
 
-def _write_share_files(settings: AgentSettings) -> None:
+def _write_share_files(settings: AgentSettings, resolv_conf: Optional[str]) -> None:
+    """What sandboxes see of /etc: generated passwd, group and hosts, and the name servers of
+    the agent's egress (``resolv_conf``; None: the host's, as the ``host`` image shows it)."""
     uid, gid = settings.sandbox_uid, settings.sandbox_gid
     files = {
         "passwd": f"root:x:0:0:root:/root:/bin/bash\nuser:x:{uid}:{gid}:Orchard sandbox:/home/user:/bin/bash\n"
@@ -57,6 +60,8 @@ def _write_share_files(settings: AgentSettings) -> None:
         "group": f"root:x:0:\nuser:x:{gid}:\nnogroup:x:65534:\n",
         "hosts": "127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n",
     }
+    if resolv_conf is not None:
+        files["resolv.conf"] = resolv_conf
     for name, text in files.items():
         path = settings.share_dir / name
         path.write_text(text)
@@ -80,6 +85,7 @@ class AgentService(SnapshotOperations):
         self.file_slots = asyncio.Semaphore(settings.max_file_calls)
         self._tasks: set[asyncio.Task] = set()
         self.runtime: Optional[IsolationRuntime] = None
+        self.egress: Optional[Egress] = None  # chosen at start
         self.ptys = PtyTable(settings)
         self.snapshots = SnapshotStore(settings.state_dir / "snapshots", settings.max_snapshots,
                                        parse_bytes(settings.max_snapshot_bytes, "max_snapshot_bytes"))
@@ -88,7 +94,6 @@ class AgentService(SnapshotOperations):
     async def start(self) -> None:
         settings = self.settings
         settings.make_dirs()
-        _write_share_files(settings)
         soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
         runtimes = collect("orchard_register_runtimes")
@@ -117,14 +122,18 @@ class AgentService(SnapshotOperations):
                 if reason:
                     raise RuntimeUnavailable(reason)
         digest = hashlib.sha256(str(settings.state_dir.resolve()).encode()).hexdigest()[:10]
+        self.egress = choose_egress(settings, self.reaper, digest)
+        _write_share_files(settings, self.egress.resolv_conf())
         self.cgroups = CgroupManager(agent_name=f"{settings.state_dir.name}-{digest}",  # stable across restarts
                                      below_own=settings.cgroups_below_own)
         self._clean_leftovers()
         cache = settings.images_dir / str(owner[0]) if owner else settings.images_dir  # trees belong to their owner
         images = ImageStore(cache, owner, settings.image_policy(), self.reaper)
         context = RuntimeContext(settings=settings, helper=helper, cgroups=self.cgroups, images=images,
-                                 reaper=self.reaper)
+                                 reaper=self.reaper, egress=self.egress)
         self.runtime = runtime_cls(context)
+        if not runtime_cls.runs_in_place:
+            await self.egress.start()
         self.jobs_runner = JobRunner(self.reaper, helper, settings.max_output_bytes)
         self._spawn(self._purge_loop())
         if self.cgroups.available:
@@ -162,6 +171,8 @@ class AgentService(SnapshotOperations):
             task.cancel()
         self._remove_leftover_cgroups()
         self.cgroups.remove_bases()
+        if self.egress is not None and self.runtime is not None and not self.runtime.runs_in_place:
+            await self.egress.close()
 
     def _spawn(self, coro) -> asyncio.Task:
         task = asyncio.get_running_loop().create_task(coro)
@@ -492,4 +503,5 @@ class AgentService(SnapshotOperations):
             "jobs_running": running, "cpus": os.cpu_count(),
             "memory_available_bytes": int(fields["MemAvailable"].split()[0]) * 1024,
             "cgroups": self.cgroups.mode, "uptime_seconds": time.time() - self.started_at,
+            "network": self.egress.describe() if self.egress is not None else None,
         }

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, DirectoryPath, Field, FilePath, field_validator
+from pydantic import BaseModel, ConfigDict, DirectoryPath, Field, FilePath, ValidationInfo, field_validator
 
+from orchard.agent.egress.ranges import parse_networks
 from orchard.agent.host_ids import DEFAULT_HOST_UID
 from orchard.agent.image_policy import DEFAULT_REGISTRIES
 from orchard.quantities import parse_bytes
@@ -97,8 +98,37 @@ class AgentSettings(BaseModel):
                                  "command's bash is started ahead and waits for it (bash's start, about 1 ms, off the "
                                  "command's path). It runs the command through eval: a syntax error reads 'bash: eval: "
                                  "line N:' instead of 'bash: -c: line N:'; off runs each command as a fresh bash -c")
+    network_egress: Literal["auto", "nat", "slirp", "none", "host"] = Field(
+        "auto", description="how sandboxes with network (block_network: false) get out of their own network "
+        "namespace: nat (root agents: a veth pair, routed and masqueraded, private, link-local and the host's own "
+        "networks refused), slirp (slirp4netns, for agents that are not root: the host's loopback refused, its other "
+        "networks not), none (such sandboxes are refused), host (the host's own network namespace: the sandbox "
+        "reaches every loopback service of the host; never the default); auto: nat, else slirp, else none")
+    network_pool: str = Field("198.18.0.0/15", description="nat: the IPv4 range sandboxes take their addresses "
+                              "from (RFC 2544's benchmarking range; change it where the host uses it)")
+    network_allow: list[str] = Field(default_factory=list, description="nat: IPv4 addresses or networks sandboxes "
+                                     "may reach although they are private, link-local or the host's (a package "
+                                     "mirror on the LAN, say)")
+    network_dns: Optional[list[str]] = Field(None, description="nat: the name servers sandboxes with network use "
+                                             "(and may reach on port 53); null: the host's resolv.conf, loopback "
+                                             "ones left out")
     cgroups_below_own: bool = Field(False, description="make sandbox cgroups below the agent's own (cgroup v1), so "
                                     "limits on the agent's cgroup, such as a Slurm job's, bound its sandboxes too")
+
+    @field_validator("network_pool")
+    @classmethod
+    def _pool(cls, value: str) -> str:
+        (pool,) = parse_networks([value], "network_pool")
+        if pool.num_addresses < 4:
+            raise ValueError("network_pool: needs at least 4 addresses")
+        return str(pool)
+
+    @field_validator("network_allow", "network_dns")
+    @classmethod
+    def _networks(cls, value: Optional[list[str]], info: ValidationInfo) -> Optional[list[str]]:
+        if value is not None:
+            parse_networks(value, info.field_name or "network")
+        return value
 
     @field_validator("max_snapshot_bytes")
     @classmethod

@@ -27,12 +27,11 @@ for n in range(200):
 '"""
 
 
-@pytest.fixture
-def host_listener() -> Iterator[int]:
-    """A TCP service on the test host's loopback that answers every connection."""
+def hello_service(address: str) -> Iterator[int]:
+    """A TCP service of the test host on ``address`` that answers every connection; yields its port."""
     server = socket.socket()
-    server.bind(("127.0.0.1", 0))
-    server.listen(8)
+    server.bind((address, 0))
+    server.listen(16)
 
     def accept() -> None:
         while True:
@@ -46,6 +45,12 @@ def host_listener() -> Iterator[int]:
     threading.Thread(target=accept, daemon=True).start()
     yield server.getsockname()[1]
     server.close()
+
+
+@pytest.fixture
+def host_listener() -> Iterator[int]:
+    """A TCP service on the test host's loopback that answers every connection."""
+    yield from hello_service("127.0.0.1")
 
 
 def connect_probe(port: int) -> str:

@@ -16,6 +16,7 @@ from orchard.errors import RuntimeUnavailable, Unsupported
 
 if TYPE_CHECKING:
     from orchard.agent.cgroups import CgroupManager
+    from orchard.agent.egress import Egress
     from orchard.agent.images import ImageStore
     from orchard.agent.reaper import ChildReaper
     from orchard.agent.sandbox import SandboxState
@@ -34,6 +35,7 @@ class RuntimeContext:
     cgroups: "CgroupManager"
     images: "ImageStore"
     reaper: "ChildReaper"
+    egress: "Egress"  # how sandboxes with network get out of their own network namespace
 
 
 class IsolationRuntime(ABC):

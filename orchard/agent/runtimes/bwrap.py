@@ -62,16 +62,17 @@ def build_host_etc(target: Path, generated: dict[str, str]) -> None:
     os.replace(staging, target)
 
 
-def namespace_args(hostname: str, block_network: bool, ids: Optional[tuple[int, int]] = None) -> list[str]:
+def namespace_args(hostname: str, own_network: bool, ids: Optional[tuple[int, int]] = None) -> list[str]:
     """Every namespace but the mount one (bwrap makes that anyway), all capabilities dropped
     and no further user namespaces: the same for a held sandbox and a per-job container.
-    ``ids``: who the sandbox user is inside (default: whoever bwrap runs as)."""
+    ``own_network``: a network namespace of its own (with loopback only, until an egress
+    gives it a way out). ``ids``: who the sandbox user is inside (default: whoever bwrap runs as)."""
     args = ["--unshare-user"]
     if ids is not None:
         args += ["--uid", str(ids[0]), "--gid", str(ids[1])]
     args += ["--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try", "--hostname", hostname[:63],
              "--die-with-parent", "--cap-drop", "ALL", "--disable-userns"]
-    return args + (["--unshare-net"] if block_network else [])
+    return args + (["--unshare-net"] if own_network else [])
 
 
 def proc_args(empty_file: Path) -> list[str]:
@@ -154,13 +155,18 @@ class BwrapRuntime(IsolationRuntime):
         root = writable_root(sandbox, image, disk, owner, placement, self.context.images.owner, base)
         placement.env = {"HOME": "/root", **image.env}
         placement.default_cwd = image_workdir(image, root)
-        return ["--bind", str(root), "/", *self._proc_args(), "--dev", "/dev",
+        args = ["--bind", str(root), "/", *self._proc_args(), "--dev", "/dev",
                 "--ro-bind", str(self.context.settings.share_dir / "hosts"), "/etc/hosts"]
+        if not sandbox.spec.block_network and self.context.egress.resolv_conf() is not None:
+            args += ["--ro-bind", str(self.context.settings.share_dir / "resolv.conf"), "/etc/resolv.conf"]
+        return args
 
     async def _spawn_holder(self, sandbox: SandboxState, args: list[str], owner: Optional[tuple[int, int]]) -> None:
         helper = str(self.context.helper)
         settings = self.context.settings
-        namespaces = namespace_args(sandbox.sandbox_id, sandbox.spec.block_network,
+        egress = self.context.egress
+        open_network = not sandbox.spec.block_network
+        namespaces = namespace_args(sandbox.sandbox_id, not (open_network and egress.shares_host_network),
                                     (settings.sandbox_uid, settings.sandbox_gid))
         hold_args = HOLD_ARGS
         pair = socket_pair() if settings.spawner else None
@@ -181,6 +187,13 @@ class BwrapRuntime(IsolationRuntime):
         assert sandbox.placement is not None
         sandbox.placement.target_pid = int(info["child-pid"])
         sandbox.placement.root = f"/proc/{sandbox.placement.target_pid}/root"
+        if open_network:
+            try:
+                await egress.attach(sandbox, sandbox.placement.target_pid)
+            except BaseException:
+                if pair is not None:
+                    pair[0].close()
+                raise
         if pair is not None:
             self._drop_spawner(sandbox)
             try:
@@ -199,6 +212,7 @@ class BwrapRuntime(IsolationRuntime):
     async def stop(self, sandbox: SandboxState) -> None:
         self._drop_spawner(sandbox)
         await stop_held(sandbox)
+        await self.context.egress.detach(sandbox)
 
     async def freeze(self, sandbox: SandboxState, directory: Path) -> Path:
         assert sandbox.placement is not None
@@ -207,4 +221,5 @@ class BwrapRuntime(IsolationRuntime):
                               f"{sandbox.spec.image!r}; snapshots need a directory or docker:// image and a root agent)")
         self._drop_spawner(sandbox)
         await stop_held(sandbox, keep_layer=directory)
+        await self.context.egress.detach(sandbox)
         return directory / "layer" / "upper"

@@ -81,7 +81,7 @@ async def spawn_holder(context: RuntimeContext, sandbox: SandboxState, argv: lis
     sandbox.placement.holder_pid = pid
     exited = context.reaper.wait(pid)
     try:
-        ready = await asyncio.wait_for(_read_ready(ready_r, exited), context.settings.ready_timeout)
+        ready = await asyncio.wait_for(read_when_ready(ready_r, exited), context.settings.ready_timeout) == b"ready\n"
         if not ready:
             message = os.pread(log_fd, 65536, 0).decode(errors="replace").strip() or "no message"
             raise RuntimeUnavailable(f"{tool} failed: {message}")
@@ -95,7 +95,8 @@ async def spawn_holder(context: RuntimeContext, sandbox: SandboxState, argv: lis
     return info
 
 
-async def _read_ready(fd: int, exited: "asyncio.Future[int]") -> bool:
+async def read_when_ready(fd: int, exited: "asyncio.Future[int]") -> bytes:
+    """What a starting child writes on its ready pipe ``fd``; b"" if it exits first."""
     loop = asyncio.get_running_loop()
     readable = loop.create_future()
     loop.add_reader(fd, lambda: readable.done() or readable.set_result(None))
@@ -103,7 +104,7 @@ async def _read_ready(fd: int, exited: "asyncio.Future[int]") -> bool:
         await asyncio.wait([readable, exited], return_when=asyncio.FIRST_COMPLETED)
     finally:
         loop.remove_reader(fd)
-    return readable.done() and os.read(fd, 16) == b"ready\n"
+    return os.read(fd, 16) if readable.done() else b""
 
 
 async def stop_held(sandbox: SandboxState, keep_layer: Optional[Path] = None) -> None:
