@@ -83,6 +83,9 @@ class AgentSettings(BaseModel):
     max_file_calls: int = Field(256, ge=1, description="file calls in flight over all sandboxes (more wait)")
     max_connections: int = Field(4096, ge=16, description="connections the agent serves at once (503 above)")
     max_list_entries: int = Field(10000, gt=0, description="most directory entries one files/list page returns")
+    sandbox_ptys: int = Field(64, ge=1, le=4096, description="terminals (pseudo-terminal devices) one sandbox may "
+                              "hold open, its own processes' included: a cap on its devpts, since the kernel's pool "
+                              "(kernel.pty.max) is shared by the whole host")
     max_ptys_per_sandbox: int = Field(16, ge=1, description="interactive processes (WS .../exec/pty) one sandbox may "
                                       "have open at once; more are refused with an error frame")
     max_ptys: int = Field(1024, ge=1, description="interactive processes over all sandboxes of this agent")

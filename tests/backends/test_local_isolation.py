@@ -99,3 +99,47 @@ def test_each_sandbox_has_its_own_host_uid_so_per_user_limits_are_its_own(orchar
         assert int(greedy.exec(["python3", "-c", probe]).stdout) < 0
         assert int(neighbour.exec(["python3", "-c", probe]).stdout) >= 0
 
+
+
+def host_has_vsock() -> bool:
+    import socket
+
+    try:
+        socket.socket(40, socket.SOCK_STREAM).close()  # AF_VSOCK
+    except OSError:
+        return False
+    return True
+
+
+def test_vsock_sockets_are_refused_although_the_host_has_them(orchard_client):
+    """A network namespace does not confine AF_VSOCK (it reaches the hypervisor's and host's
+    vsock services), so the seccomp filter refuses it, as the container default profiles do."""
+    import errno
+
+    script = ("import socket\ntry:\n    socket.socket(40, socket.SOCK_STREAM)\n    print('opened')\n"
+              "except OSError as exc:\n    print(exc.errno)\n")
+    allowed = {str(errno.EPERM)} if host_has_vsock() else {str(errno.EPERM), str(errno.EAFNOSUPPORT)}
+    for block_network in (True, False):
+        with orchard_client.create(block_network=block_network) as sandbox:
+            result = sandbox.exec(["python3", "-c", script])
+            assert result.stdout.strip() in allowed, result.stdout + result.stderr
+
+
+def test_one_sandbox_cannot_take_the_hosts_terminals(orchard_client, agent_settings):
+    """Each sandbox's devpts is capped (sandbox_ptys): one that opened 3,071 terminals left
+    the next ENOSPC on /dev/ptmx, since the kernel's pool is the host's."""
+    script = ("import os\nheld = []\ntry:\n    while len(held) < 5000:\n        held.append(os.openpty())\n"
+              "except OSError as exc:\n    print(len(held), exc.errno)\n")
+    with orchard_client.create() as greedy, orchard_client.create() as neighbour:
+        opened, code = greedy.exec(["python3", "-c", script]).stdout.split()
+        assert int(opened) == agent_settings.sandbox_ptys and code == "28", (opened, code)  # ENOSPC at its own cap
+        assert neighbour.exec(["python3", "-c", "import pty; pty.openpty(); print('mine')"]).stdout == "mine\n"
+
+
+def test_dev_shm_has_a_size_of_its_own_within_the_disk_quota(orchard_client):
+    """/dev/shm was a directory of the /dev tmpfs, which had no size: 64 MiB went in under disk: 32Mi."""
+    with orchard_client.create(disk="16Mi") as small:
+        job = small.exec("head -c 40000000 /dev/zero > /dev/shm/big")
+        assert job.exit_code != 0 and "No space left" in job.stderr, job
+        assert int(small.exec("stat -c %s /dev/shm/big").stdout) <= 16 << 20
+        assert small.exec("stat -c %a /dev/shm").stdout == "1777\n"

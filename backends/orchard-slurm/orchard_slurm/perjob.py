@@ -15,6 +15,7 @@ the job runs as root; an unprivileged job runs the image read-only with a privat
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import os
 import secrets
@@ -26,6 +27,7 @@ from pathlib import Path
 from typing import Optional
 
 from orchard.agent import inroot
+from orchard.agent.egress import Egress, choose_egress
 from orchard.agent.host_ids import DEFAULT_HOST_UID, claim_host_ids
 from orchard.agent.images import ImageStore, ResolvedImage
 from orchard.agent.reaper import ChildReaper
@@ -33,6 +35,7 @@ from orchard.agent.runtimes import bwrap
 from orchard.agent.runtimes.api import DEFAULT_PATH
 from orchard.agent.runtimes.layers import ensure_paths, overlay_root
 from orchard.agent.runtimes.mounts import remove_tree, unmount
+from orchard.agent.settings import AgentSettings
 from orchard.errors import OrchardError
 from orchard_slurm.pilot import write_stop_record
 from orchard_slurm.relay import Relay, listening_socket
@@ -72,12 +75,16 @@ def container_argv(job: SandboxJob, root: Path, writable: bool) -> list[str]:
     (read-only); the agent's socket arrives as an inherited fd."""
     binds = {job.bundle: "/opt/orchard"}
     work = Path(job.job_dir) / "container"
+    resolv_conf = work / "resolv.conf"  # the egress's name servers, for a sandbox with network
     if job.runtime == "bwrap":
-        return ["bwrap", *bwrap.namespace_args(job.sandbox_id, job.block_network), "--as-pid-1",  # the agent (not dumpable)
+        names = ["--ro-bind", str(resolv_conf), "/etc/resolv.conf"] if resolv_conf.exists() else []
+        return ["bwrap", *bwrap.namespace_args(job.sandbox_id, True), "--as-pid-1",  # the agent (not dumpable)
                 "--bind" if writable else "--ro-bind", str(root), "/", *bwrap.proc_args(work / "empty"),
-                "--dev", "/dev", "--tmpfs", "/tmp", "--ro-bind", job.bundle, "/opt/orchard", "--", *AGENT]
+                "--dev", "/dev", "--tmpfs", "/tmp", "--ro-bind", job.bundle, "/opt/orchard", *names, "--", *AGENT]
     if job.runtime == "charliecloud":
-        return charliecloud.container_args(work / "dev", job.block_network, root, binds, AGENT, writable)
+        if resolv_conf.exists():
+            binds[str(resolv_conf)] = "/etc/resolv.conf"
+        return charliecloud.container_args(work / "dev", root, binds, AGENT, writable)
     if job.runtime == "apptainer":
         from spython.main import get_client
 
@@ -155,6 +162,7 @@ async def _run(job: SandboxJob) -> None:
     loop = asyncio.get_running_loop()
     reaper = ChildReaper()  # the image store's tools and the container, each waited for once
     reaper.install(loop)
+    egress = job_egress(job, reaper, work)
     log_fd = os.open(job_dir / "container.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     mounts: list[Path] = []
     container: Optional[int] = None
@@ -196,6 +204,12 @@ async def _run(job: SandboxJob) -> None:
         loop.add_signal_handler(signal.SIGUSR2, lambda: (write_stop_record(job_dir, signal.SIGUSR2), stopping.set()))
         relay = Relay(job_dir / "relay" / "agent.sock", token, job.sandbox_id)
         await agent_ready(relay, exited, job_dir)
+        if egress is not None:
+            await egress.start()
+            holder = namespace_holder(container)
+            if holder is None:
+                raise OrchardError(f"sandbox {job.sandbox_id}: no process of its container has a network namespace")
+            await egress.attach(job.sandbox_id, holder)
         host = job.host or socket.gethostname()
         server = await relay.start(host)
         port = server.sockets[0].getsockname()[1]
@@ -211,10 +225,44 @@ async def _run(job: SandboxJob) -> None:
     finally:
         if container is not None and exited is not None and not exited.done():
             await stop_container(container, exited)
+        if egress is not None:
+            await egress.detach(job.sandbox_id)
+            await egress.close()
         os.close(log_fd)
         for target in mounts:
             unmount(target)
         remove_tree(work)
+
+
+def job_egress(job: SandboxJob, reaper: ChildReaper, work: Path) -> Optional[Egress]:
+    """The way out of an open sandbox's container (the agent's egress, for this job alone,
+    with the agent's default network settings); None when it blocks its network. Apptainer
+    makes its own network namespaces and is left as it is (its open sandboxes share the node's)."""
+    if job.block_network or job.runtime == "apptainer":
+        return None
+    job_id = hashlib.sha256(job.job_dir.encode()).hexdigest()[:10]
+    egress = choose_egress(AgentSettings(state_dir=work / "agent-state"), reaper, job_id)
+    text = egress.resolv_conf()
+    if text is not None:
+        (work / "resolv.conf").write_text(text)
+        os.chmod(work / "resolv.conf", 0o644)
+    return egress
+
+
+def namespace_holder(pid: int) -> Optional[int]:
+    """The first process below ``pid`` in a network namespace other than this job's."""
+    ours = os.stat("/proc/self/ns/net").st_ino
+    pending = [pid]
+    while pending:
+        current = pending.pop(0)
+        try:
+            if os.stat(f"/proc/{current}/ns/net").st_ino != ours:
+                return current
+            for task in Path(f"/proc/{current}/task").iterdir():
+                pending += [int(child) for child in (task / "children").read_text().split()]
+        except OSError:
+            continue
+    return None
 
 
 async def stop_container(pid: int, exited: "asyncio.Future[int]") -> None:

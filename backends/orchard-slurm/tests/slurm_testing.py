@@ -87,3 +87,8 @@ def lost_soon(client: Any, sandbox_id: str, seconds: float = 30) -> bool:
             pass
         time.sleep(0.2)
     return False
+
+
+def busybox_probe(address: str, port: int = 8080) -> str:
+    """A command for busybox images: what ``address:port`` answers, or "refused"."""
+    return f"nc -w 3 {address} {port} </dev/null 2>/dev/null || echo refused"

@@ -12,8 +12,19 @@ import pytest
 from orchard.bench.measure import count_processes
 from orchard.errors import InvalidRequest, OrchardError
 from orchard_slurm.runtimes.charliecloud import CharliecloudRuntime
-from slurm_testing import lost_soon, require, slurm_client, slurm_settings
+from orchard.testing.isolation import host_listener  # noqa: F401  (a fixture)
+from slurm_testing import busybox_probe, lost_soon, require, slurm_client, slurm_settings
 from tests.images import busybox_rootfs
+from tests.netlab import NetLab
+
+OUTSIDE = "203.0.113.10"
+
+
+@pytest.fixture(scope="module")
+def lab():
+    lab = NetLab().up()
+    yield lab
+    lab.down()
 
 
 def holders() -> int:
@@ -57,12 +68,20 @@ def test_commands_run_in_the_image_with_pid_namespace_and_state_across_commands(
     assert holders() == before and count_processes("sleep 1000") == 0
 
 
-def test_block_network_is_a_network_namespace_not_ignored(charliecloud):
+def test_every_sandbox_has_its_own_network_namespace_and_open_ones_the_egress(charliecloud, lab, host_listener):
+    """An open sandbox shared the node's network namespace (it reached slurmctld, the
+    accounting database and every loopback port of the node); now it has its own, with the
+    pilot agent's egress, and sysfs shows its own interfaces only."""
     client, image = charliecloud
     with client.create(image) as blocked, client.create(image, block_network=False) as open_:
         interfaces = "grep -c : /proc/net/dev"  # one line per interface
         assert blocked.exec(interfaces).stdout == "1\n"  # lo only
-        assert int(open_.exec(interfaces).stdout) == int(Path("/proc/net/dev").read_text().count(":"))
+        assert open_.exec(interfaces).stdout == "2\n"  # lo and the egress's eth0
+        assert open_.exec(busybox_probe(OUTSIDE)).stdout.startswith("hello-from-outside")
+        assert "hello-from-host" not in open_.exec(busybox_probe("127.0.0.1", host_listener)).stdout
+        for sandbox, expected in ((blocked, {"lo"}), (open_, {"lo", "eth0"})):
+            listed = set(sandbox.exec("ls /sys/class/net /sys/devices/virtual/net 2>/dev/null").stdout.split())
+            assert listed - {"/sys/class/net:", "/sys/devices/virtual/net:"} == expected, listed
 
 
 def test_sandboxes_do_not_see_each_other_and_host_image_is_refused_clearly(charliecloud):
@@ -139,3 +158,15 @@ def test_sandboxes_die_with_a_hard_killed_pilot_and_leave_no_mounts(slurm_cluste
         assert lost_soon(client, sandbox.id)
         client.delete(sandbox.id)
     assert not any("orchard-slurm-test" in str(p) and str(shared) in str(p) for p in mounts_below(Path("/")))
+
+
+def test_etc_passwd_is_inside_the_disk_quota(charliecloud):
+    """ch-run's own /etc/passwd was a deleted, sandbox-writable copy in the node's /tmp that
+    du could not see: 1 GiB went into it under disk: 64M. With --no-passwd it is the image's,
+    in the writable layer, under the quota."""
+    client, image = charliecloud
+    with client.create(image, disk="16M") as sandbox:
+        job = sandbox.exec("head -c 64000000 /dev/zero >> /etc/passwd")
+        assert job.exit_code != 0, job
+        size = int(sandbox.exec("stat -c %s /etc/passwd").stdout)
+        assert size <= 16 << 20, f"{size} bytes in /etc/passwd under a 16M quota"

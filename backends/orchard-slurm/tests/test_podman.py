@@ -10,7 +10,8 @@ import pytest
 
 from orchard.errors import ImageRejected, InvalidRequest
 from orchard_slurm.runtimes.podman import PodmanRuntime
-from slurm_testing import require, slurm_client, slurm_settings
+from orchard.testing.isolation import host_listener  # noqa: F401  (a fixture)
+from slurm_testing import busybox_probe, require, slurm_client, slurm_settings
 from tests.images import busybox_rootfs
 
 
@@ -31,7 +32,7 @@ def test_containers_run_commands_with_their_namespaces_and_limits(podman):
         assert sandbox.exec("id -u; hostname; pwd").stdout == f"0\n{sandbox.id}\n/workspace\n"  # root inside only
         assert sandbox.exec("ls /proc | grep -c '^[0-9]'").stdout.strip() in {"2", "3", "4"}
         assert sandbox.exec("grep -c : /proc/net/dev").stdout == "1\n"  # --network none
-        assert int(limited.exec("grep -c : /proc/net/dev").stdout) > 1
+        assert limited.exec("grep -c : /proc/net/dev").stdout == "2\n"  # its own namespace: lo and the egress's eth0
         sandbox.exec("sleep 1000 & echo $! > /tmp/sleeper")
         assert sandbox.exec("kill -0 $(cat /tmp/sleeper) && echo alive").stdout == "alive\n"
         job = limited.exec("for i in $(seq 60); do sleep 30 & done; echo spawned", timeout=20)
@@ -77,3 +78,16 @@ def test_a_disk_quota_podman_cannot_enforce_is_refused_not_dropped(podman):
     client, image = podman
     with pytest.raises(InvalidRequest, match="disk"):
         client.create(image, disk="1Gi")
+
+
+def test_an_open_container_reaches_the_outside_not_the_nodes_loopback(podman, host_listener):
+    from tests.netlab import NetLab
+
+    client, image = podman
+    lab = NetLab().up()
+    try:
+        with client.create(image, block_network=False) as open_:
+            assert open_.exec(busybox_probe("203.0.113.10")).stdout.startswith("hello-from-outside")
+            assert "hello-from-host" not in open_.exec(busybox_probe("127.0.0.1", host_listener)).stdout
+    finally:
+        lab.down()

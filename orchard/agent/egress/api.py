@@ -24,7 +24,6 @@ from orchard.errors import RuntimeUnavailable, Unsupported
 
 if TYPE_CHECKING:
     from orchard.agent.reaper import ChildReaper
-    from orchard.agent.sandbox import SandboxState
     from orchard.agent.settings import AgentSettings
 
 log = logging.getLogger("orchard.agent")
@@ -55,12 +54,12 @@ class Egress(ABC):
         return None
 
     @abstractmethod
-    async def attach(self, sandbox: "SandboxState", pid: int) -> None:
-        """Give the network namespace of ``pid`` (the sandbox's holder) its way out; a
-        typed error if that cannot be done (the create then fails and is cleaned up)."""
+    async def attach(self, key: str, pid: int) -> None:
+        """Give the network namespace of ``pid`` (sandbox ``key``'s holder, alive) its way
+        out; a typed error if that cannot be done (the create then fails and is cleaned up)."""
 
-    async def detach(self, sandbox: "SandboxState") -> None:
-        """After the sandbox's holder is gone: release what ``attach`` took."""
+    async def detach(self, key: str) -> None:
+        """After sandbox ``key``'s holder is gone: release what ``attach`` took."""
 
     def describe(self) -> dict[str, object]:
         return {"egress": self.name}
@@ -70,7 +69,7 @@ class NoEgress(Egress):
     name = "none"
     reason = "agent setting network_egress is 'none'"  # why (``auto`` found no egress that runs here)
 
-    async def attach(self, sandbox: "SandboxState", pid: int) -> None:
+    async def attach(self, key: str, pid: int) -> None:
         raise Unsupported(f"block_network: false is not available on this agent ({self.reason})")
 
     def describe(self) -> dict[str, object]:
@@ -88,7 +87,7 @@ class HostNetwork(Egress):
         log.warning("network_egress 'host': sandboxes with network share this host's network namespace and reach "
                     "every service listening on its loopback")
 
-    async def attach(self, sandbox: "SandboxState", pid: int) -> None:
+    async def attach(self, key: str, pid: int) -> None:
         return None
 
 

@@ -18,7 +18,7 @@ import logging
 import os
 import secrets
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 from orchard.agent.egress.api import Egress, is_root, tool
 from orchard.agent.egress.ranges import (
@@ -27,9 +27,6 @@ from orchard.agent.egress.ranges import (
 from orchard.agent.egress.ruleset import add_blocked, delete_table, ruleset
 from orchard.agent.reaper import run_tool
 from orchard.errors import RuntimeUnavailable
-
-if TYPE_CHECKING:
-    from orchard.agent.sandbox import SandboxState
 
 log = logging.getLogger("orchard.agent")
 GATEWAY = "169.254.1.1"  # on every host end; the sandbox's next hop
@@ -116,12 +113,13 @@ class NatEgress(Egress):
             self._neighbours |= new
 
     # -- per sandbox -------------------------------------------------------------------
-    async def attach(self, sandbox: "SandboxState", pid: int) -> None:
+    async def attach(self, key: str, pid: int) -> None:
         await self._track_neighbours()
-        netns = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
         try:
-            if sandbox.holder_exit is not None and sandbox.holder_exit.done():
-                raise RuntimeUnavailable(f"sandbox {sandbox.sandbox_id!r}: its holder exited before its network was set up")
+            netns = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as exc:
+            raise RuntimeUnavailable(f"sandbox {key!r}: its holder is gone before its network was set up ({exc})") from None
+        try:
             for _ in range(ATTEMPTS):
                 link = self.prefix + secrets.token_hex(5)
                 await self._run([tool("ip") or "ip", "link", "add", link, "type", "veth", "peer", "name", "eth0",
@@ -132,7 +130,7 @@ class NatEgress(Egress):
                     continue
                 await self._run([tool("nsenter") or "nsenter", "--net=/dev/fd/4", tool("ip") or "ip", "-b", "/dev/fd/3"],
                                 sandbox_end(address), fds={netns: 4})
-                self._links[sandbox.sandbox_id] = link
+                self._links[key] = link
                 return
         finally:
             os.close(netns)
@@ -162,8 +160,8 @@ class NatEgress(Egress):
         if code != 0:
             log.debug("interface %s was already gone", link)
 
-    async def detach(self, sandbox: "SandboxState") -> None:
-        link = self._links.pop(sandbox.sandbox_id, None)
+    async def detach(self, key: str) -> None:
+        link = self._links.pop(key, None)
         if link is not None and Path(f"/sys/class/net/{link}").exists():
             await self._delete(link)  # the kernel does it with the namespace; sooner frees the address
 

@@ -16,15 +16,12 @@ import fcntl
 import logging
 import os
 import signal
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 from orchard.agent.egress.api import Egress, tool
 from orchard.agent.egress.ranges import resolv_conf_text
 from orchard.agent.runtimes.holder import read_when_ready
 from orchard.errors import RuntimeUnavailable
-
-if TYPE_CHECKING:
-    from orchard.agent.sandbox import SandboxState
 
 log = logging.getLogger("orchard.agent")
 SLIRP_DNS = "10.0.2.3"  # slirp4netns's forwarder to the host's resolver
@@ -48,15 +45,18 @@ class SlirpEgress(Egress):
     def resolv_conf(self) -> Optional[str]:
         return resolv_conf_text([SLIRP_DNS])
 
-    async def attach(self, sandbox: "SandboxState", pid: int) -> None:
+    async def attach(self, key: str, pid: int) -> None:
         # The namespace and the user namespace that owns it (bwrap's --disable-userns nests
         # another one, which /proc/PID/ns/user names and which has no rights over the network).
-        netns = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            netns = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as exc:
+            raise RuntimeUnavailable(f"sandbox {key!r}: its holder is gone before its network was set up ({exc})") from None
         try:
             owner = fcntl.ioctl(netns, NS_GET_USERNS)
         except OSError as exc:
             os.close(netns)
-            raise RuntimeUnavailable(f"cannot find the owner of sandbox {sandbox.sandbox_id!r}'s network: {exc}") from None
+            raise RuntimeUnavailable(f"cannot find the owner of sandbox {key!r}'s network: {exc}") from None
         ready_r, ready_w = os.pipe()
         exit_r, exit_w = os.pipe()
         argv = [tool("slirp4netns") or "slirp4netns", "--configure", "--mtu=65520", "--disable-host-loopback",
@@ -92,10 +92,10 @@ class SlirpEgress(Egress):
             _kill(child)
             raise RuntimeUnavailable(f"slirp4netns failed: {message}")
         os.close(log_fd)
-        self._processes[sandbox.sandbox_id] = (child, exit_w)
+        self._processes[key] = (child, exit_w)
 
-    async def detach(self, sandbox: "SandboxState") -> None:
-        entry = self._processes.pop(sandbox.sandbox_id, None)
+    async def detach(self, key: str) -> None:
+        entry = self._processes.pop(key, None)
         if entry is not None:
             child, exit_w = entry
             os.close(exit_w)  # slirp4netns exits when its exit fd closes

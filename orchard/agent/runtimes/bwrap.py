@@ -24,7 +24,8 @@ from orchard.agent.runtimes.layers import image_workdir, writable_root
 from orchard.agent.runtimes.mounts import MASKED_PROC_DIRS, MASKED_PROC_FILES, system_binds
 from orchard.agent.sandbox import Placement, SandboxState
 from orchard.agent.spawner import SPAWNER_FD, SpawnerClient, prestartable, socket_pair
-from orchard.errors import Unsupported
+from orchard.agent.reaper import run_tool
+from orchard.errors import RuntimeUnavailable, Unsupported
 from orchard.quantities import optional_bytes
 
 # The ``host`` image shows the system directories (mounts.system_binds) and, of /etc, only an
@@ -73,6 +74,16 @@ def namespace_args(hostname: str, own_network: bool, ids: Optional[tuple[int, in
     args += ["--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try", "--hostname", hostname[:63],
              "--die-with-parent", "--cap-drop", "ALL", "--disable-userns"]
     return args + (["--unshare-net"] if own_network else [])
+
+
+SHM_BYTES = 64 << 20  # /dev/shm, as Docker and Podman size it (never more than the disk quota)
+
+
+def dev_args(disk: Optional[int]) -> list[str]:
+    """A fresh /dev, with a /dev/shm of its own size: bwrap's is a directory of the /dev
+    tmpfs, which has no size (64 MiB went into it under disk: 32Mi)."""
+    size = min(SHM_BYTES, disk) if disk else SHM_BYTES
+    return ["--dev", "/dev", "--perms", "01777", "--size", str(size), "--tmpfs", "/dev/shm"]
 
 
 def proc_args(empty_file: Path) -> list[str]:
@@ -143,7 +154,7 @@ class BwrapRuntime(IsolationRuntime):
             args += ["--ro-bind-try", path, path]
         args += ["--ro-bind", str(self.context.settings.share_dir / "etc"), "/etc"]  # one mount, built at start
         args += ["--dir", "/workspace", "--dir", SANDBOX_HOME, "--perms", "01777", "--dir", "/tmp",
-                 "--perms", "01777", "--dir", "/var/tmp", *self._proc_args(), "--dev", "/dev"]
+                 "--perms", "01777", "--dir", "/var/tmp", *self._proc_args(), *dev_args(disk)]
         return args
 
     def _proc_args(self) -> list[str]:
@@ -155,7 +166,7 @@ class BwrapRuntime(IsolationRuntime):
         root = writable_root(sandbox, image, disk, owner, placement, self.context.images.owner, base)
         placement.env = {"HOME": "/root", **image.env}
         placement.default_cwd = image_workdir(image, root)
-        args = ["--bind", str(root), "/", *self._proc_args(), "--dev", "/dev",
+        args = ["--bind", str(root), "/", *self._proc_args(), *dev_args(disk),
                 "--ro-bind", str(self.context.settings.share_dir / "hosts"), "/etc/hosts"]
         if not sandbox.spec.block_network and self.context.egress.resolv_conf() is not None:
             args += ["--ro-bind", str(self.context.settings.share_dir / "resolv.conf"), "/etc/resolv.conf"]
@@ -187,9 +198,10 @@ class BwrapRuntime(IsolationRuntime):
         assert sandbox.placement is not None
         sandbox.placement.target_pid = int(info["child-pid"])
         sandbox.placement.root = f"/proc/{sandbox.placement.target_pid}/root"
+        await self._limit_ptys(sandbox.placement.target_pid)
         if open_network:
             try:
-                await egress.attach(sandbox, sandbox.placement.target_pid)
+                await egress.attach(sandbox.sandbox_id, sandbox.placement.target_pid)
             except BaseException:
                 if pair is not None:
                     pair[0].close()
@@ -205,6 +217,13 @@ class BwrapRuntime(IsolationRuntime):
             except OSError:  # the holder is already gone: commands will find the sandbox lost
                 pair[0].close()
 
+    async def _limit_ptys(self, pid: int) -> None:
+        """Cap the sandbox's devpts at ``sandbox_ptys`` terminals (the kernel's pool is the host's)."""
+        argv = [str(self.context.helper), "--pts-max", str(self.context.settings.sandbox_ptys), "--target", str(pid)]
+        code, _, err = await run_tool(self.context.reaper, argv, {"PATH": DEFAULT_PATH})
+        if code != 0:
+            raise RuntimeUnavailable(f"cannot limit the sandbox's terminals: {err.strip()}")
+
     def _has(self, placement: Placement, path: str) -> bool:
         return exists_in_root(placement.root, path)
 
@@ -212,7 +231,7 @@ class BwrapRuntime(IsolationRuntime):
     async def stop(self, sandbox: SandboxState) -> None:
         self._drop_spawner(sandbox)
         await stop_held(sandbox)
-        await self.context.egress.detach(sandbox)
+        await self.context.egress.detach(sandbox.sandbox_id)
 
     async def freeze(self, sandbox: SandboxState, directory: Path) -> Path:
         assert sandbox.placement is not None
@@ -221,5 +240,5 @@ class BwrapRuntime(IsolationRuntime):
                               f"{sandbox.spec.image!r}; snapshots need a directory or docker:// image and a root agent)")
         self._drop_spawner(sandbox)
         await stop_held(sandbox, keep_layer=directory)
-        await self.context.egress.detach(sandbox)
+        await self.context.egress.detach(sandbox.sandbox_id)
         return directory / "layer" / "upper"

@@ -8,6 +8,12 @@
  * fail with EPERM; calls of another ABI (i386 on x86_64, x32) kill the process, so the
  * numbers below cannot be bypassed. Installed after no_new_privs, just before the
  * command runs, so it binds everything the command starts.
+ *
+ * Socket families: AF_VSOCK is refused (as in the container default profiles): a network
+ * namespace does not confine it, so it would reach the hypervisor's or host's vsock
+ * services from a sandbox without network. The others are the kernel's to refuse:
+ * AF_PACKET and raw sockets need CAP_NET_RAW, netlink changes need CAP_NET_ADMIN, and a
+ * sandbox has no capability; AF_UNIX, AF_INET and AF_INET6 stay inside its namespaces.
  */
 #include <linux/audit.h>
 #include <linux/filter.h>
@@ -37,13 +43,14 @@ static const int denied_syscalls[] = {
 };
 
 #define N_DENIED (sizeof denied_syscalls / sizeof denied_syscalls[0])
+#define FAMILY_VSOCK 40 /* AF_VSOCK */
 /* New namespaces from inside a sandbox: never needed, and the door to kernel surface that
    is only reachable with namespace capabilities. */
 #define CLONE_NAMESPACES (CLONE_NEWNS | CLONE_NEWCGROUP | CLONE_NEWUTS | CLONE_NEWIPC | CLONE_NEWUSER | \
                           CLONE_NEWPID | CLONE_NEWNET | 0x00000080 /* CLONE_NEWTIME */)
 
 static void apply_seccomp(void) {
-    struct sock_filter program[16 + 2 * N_DENIED];
+    struct sock_filter program[24 + 2 * N_DENIED];
     size_t n = 0;
     program[n++] = (struct sock_filter)BPF_STMT(BPF_LD | BPF_W | BPF_ABS, offsetof(struct seccomp_data, arch));
     program[n++] = (struct sock_filter)BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, SECCOMP_ARCH, 1, 0);
@@ -57,6 +64,11 @@ static void apply_seccomp(void) {
         program[n++] = (struct sock_filter)BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, (unsigned)denied_syscalls[k], 0, 1);
         program[n++] = (struct sock_filter)BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ERRNO | (EPERM & SECCOMP_RET_DATA));
     }
+    program[n++] = (struct sock_filter)BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, __NR_socket, 0, 4);
+    program[n++] = (struct sock_filter)BPF_STMT(BPF_LD | BPF_W | BPF_ABS, offsetof(struct seccomp_data, args[0]));
+    program[n++] = (struct sock_filter)BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, FAMILY_VSOCK, 0, 1);
+    program[n++] = (struct sock_filter)BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ERRNO | (EPERM & SECCOMP_RET_DATA));
+    program[n++] = (struct sock_filter)BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ALLOW);
     /* clone3 passes its flags in memory a filter cannot read: ENOSYS makes the C library
        fall back to clone, whose flags it can (as the container runtimes' defaults do). */
     program[n++] = (struct sock_filter)BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, __NR_clone3, 0, 1);

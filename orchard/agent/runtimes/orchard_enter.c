@@ -55,6 +55,7 @@
 #include <string.h>
 #include <linux/nsfs.h>
 #include <sys/ioctl.h>
+#include <sys/mount.h>
 #include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -211,6 +212,25 @@ static int hold(int ready_fd, int lifeline, int spawner) {
     }
 }
 
+/* --pts-max N --target PID: cap the sandbox's own devpts instance (bwrap's --dev mounts
+   one with no max=) at N terminals. The kernel's pool (kernel.pty.max) is host-wide: one
+   sandbox that opened 3,071 took it from every other. The holder is up and nothing of the
+   sandbox has run yet; no program is executed after entering its mount namespace. */
+static int limit_ptys(const char *target, const char *max) {
+    char options[64];
+    long n = strtol(max, NULL, 10);
+    if (n < 1) { fprintf(stderr, "orchard-enter: --pts-max needs a positive number\n"); return 125; }
+    if (stat("/proc/self/ns/user", &current_user_ns) < 0) die("stat", "/proc/self/ns/user");
+    int outermost = outermost_user_ns(open_ns(target, "ns/user"));
+    int mnt_fd = open_ns(target, "ns/mnt");
+    if (outermost >= 0) enter_user_ns(outermost, "the sandbox's outermost user namespace");
+    if (setns(mnt_fd, CLONE_NEWNS) < 0) die("setns", "ns/mnt");
+    /* bwrap's own options again (a remount resets those left out), and the cap */
+    snprintf(options, sizeof options, "newinstance,ptmxmode=0666,mode=620,max=%ld", n);
+    if (mount(NULL, "/dev/pts", NULL, MS_REMOUNT | MS_NOSUID | MS_NOEXEC, options) < 0) die("remount", "/dev/pts");
+    return 0;
+}
+
 static int pty_sock = -1, pty_rows = 24, pty_cols = 80;
 
 /* A master on the devpts of whatever mount namespace and root we are in now. */
@@ -278,7 +298,7 @@ static int wait_and_relay(pid_t child) {
 int main(int argc, char **argv) {
     const char *cgroups[MAX_CGROUPS];
     int n_cgroups = 0;
-    const char *target = NULL, *cwd = NULL;
+    const char *target = NULL, *cwd = NULL, *pts_max = NULL;
     long uid = -1, gid = -1;
     int i = 1, holder = 0, ready_fd = -1, lifeline = -1, spawner = -1, file = 0, seccomp = 0, oom_first = 0, die_with_parent = 0;
     for (; i < argc; i++) {
@@ -300,9 +320,14 @@ int main(int argc, char **argv) {
         else if (!strcmp(argv[i], "--pty")) pty_sock = (int)strtol(argv[++i], NULL, 10);
         else if (!strcmp(argv[i], "--rows")) pty_rows = (int)strtol(argv[++i], NULL, 10);
         else if (!strcmp(argv[i], "--cols")) pty_cols = (int)strtol(argv[++i], NULL, 10);
+        else if (!strcmp(argv[i], "--pts-max")) pts_max = argv[++i];
         else { fprintf(stderr, "orchard-enter: unknown option %s\n", argv[i]); return 125; }
     }
     if (holder) return hold(ready_fd, lifeline, spawner);
+    if (pts_max) {
+        if (!target) { fprintf(stderr, "orchard-enter: --pts-max needs --target\n"); return 125; }
+        return limit_ptys(target, pts_max);
+    }
     if (i >= argc) { fprintf(stderr, "orchard-enter: no command\n"); return 125; }
     char **command = argv + i;
 

@@ -2,8 +2,8 @@
 
 ch-run gives a user and a mount namespace but shares the host's PID and network
 namespaces. We wrap it in ``unshare`` (a user namespace of our own, so it works for
-unprivileged pilots too) for PID, IPC and UTS namespaces always, and a network namespace
-when the sandbox blocks its network: ``block_network`` is never ignored. Commands join
+unprivileged pilots too) for PID, IPC, UTS and network namespaces (a sandbox with network
+gets its way out from the agent's egress, as bubblewrap sandboxes do). Commands join
 the holder with ``orchard-enter --target`` like bubblewrap sandboxes, so an exec costs
 the same. Images are directory trees (the agent's image store unpacks ``docker://``
 references); each sandbox writes to its own overlay layer (root agents).
@@ -35,10 +35,11 @@ CH_RUN_FILES = ("etc/hosts", "etc/resolv.conf", "etc/passwd", "etc/group")
 # ch-run binds the host's /dev (block devices, /dev/kvm, /dev/fuse, and a /dev/shm shared
 # with every user of the node), /sys and /proc. In the namespaces unshare made, this puts a
 # private, minimal /dev in their place first (a tmpfs with the usual character devices bound
-# in and a /dev/shm of its own), hides the node's cgroup tree and network interfaces under
-# empty read-only tmpfs, masks host-global /proc entries and makes /proc/sys read-only (as
-# bwrap sandboxes have them), brings loopback up in a new network namespace, then drops the
-# capabilities it needed and runs ch-run.
+# in and a /dev/shm of its own), mounts a sysfs of the sandbox's own network namespace over
+# the node's (it lists the sandbox's interfaces only: the node's NICs, their statistics and
+# /sys/devices/virtual/net are not there), hides the cgroup tree under an empty read-only
+# tmpfs, masks host-global /proc entries and makes /proc/sys read-only (as bwrap sandboxes
+# have them), brings loopback up, then drops the capabilities it needed and runs ch-run.
 MINIMAL_DEV = """set -e
 d="$1"; shift
 mount -n -t tmpfs -o mode=0755,nosuid,size=64k tmpfs "$d"
@@ -48,46 +49,46 @@ mount -n -t tmpfs -o mode=1777,nosuid,nodev,size=64m tmpfs "$d/shm"  # as Docker
 ln -s /proc/self/fd "$d/fd"; ln -s /proc/self/fd/0 "$d/stdin"
 ln -s /proc/self/fd/1 "$d/stdout"; ln -s /proc/self/fd/2 "$d/stderr"
 mount -n --move "$d" /dev
-for hidden in /sys/fs/cgroup /sys/class/net; do  # other sandboxes' cgroups, the host's interfaces
-  [ -d "$hidden" ] && mount -n -t tmpfs -o ro,mode=0555,size=4k tmpfs "$hidden"
-done
+mount -n -t sysfs -o ro,nosuid,nodev,noexec sysfs /sys  # of this network namespace: its interfaces only
+[ -d /sys/fs/cgroup ] && mount -n -t tmpfs -o ro,mode=0555,size=4k tmpfs /sys/fs/cgroup  # others' cgroups
 for masked in $MASKED_FILES; do [ -e "/proc/$masked" ] && mount -n --bind /dev/null "/proc/$masked"; done
 for masked in $MASKED_DIRS; do [ -d "/proc/$masked" ] && mount -n -t tmpfs -o ro,size=4k tmpfs "/proc/$masked"; done
 mount -n --bind /proc/sys /proc/sys && mount -n -o remount,bind,ro /proc/sys
-[ "$NEW_NET" = 1 ] && ip link set lo up  # a new network namespace starts with loopback down
+ip link set lo up  # a new network namespace starts with loopback down
 exec setpriv --inh-caps=-all --ambient-caps=-all -- "$@"
 """
 
 
-def unshare_args(block_network: bool) -> list[str]:
-    """Namespaces ch-run does not make: PID (with its own /proc), IPC, UTS, cgroup, and network when asked
+def unshare_args() -> list[str]:
+    """Namespaces ch-run does not make: PID (with its own /proc), IPC, UTS, cgroup and network,
+    with network or without: an open sandbox gets its way out from the agent's egress
     (capabilities kept in the new user namespace for ``minimal_dev_args``, which drops them)."""
-    args = ["unshare", "--user", "--map-current-user", "--keep-caps", "--pid", "--mount-proc", "--ipc", "--uts", "--cgroup",
-            "--fork", "--kill-child"]
-    return args + (["--net"] if block_network else [])
+    return ["unshare", "--user", "--map-current-user", "--keep-caps", "--pid", "--mount-proc", "--ipc", "--uts",
+            "--cgroup", "--net", "--fork", "--kill-child"]
 
 
-def minimal_dev_args(staging: Path, block_network: bool) -> list[str]:
+def minimal_dev_args(staging: Path) -> list[str]:
     """Run what follows with a private minimal /dev built in ``staging`` (an empty directory)
-    and the /proc and loopback described above."""
+    and the /sys, /proc and loopback described above."""
     return ["env", f"MASKED_FILES={' '.join(MASKED_PROC_FILES)}", f"MASKED_DIRS={' '.join(MASKED_PROC_DIRS)}",
-            f"NEW_NET={int(block_network)}", "sh", "-c", MINIMAL_DEV, "orchard-dev", str(staging)]
+            "sh", "-c", MINIMAL_DEV, "orchard-dev", str(staging)]
 
 
 def ch_run_args(root: Path, binds: dict[str, str], command: list[str], writable: bool = True) -> list[str]:
-    """ch-run on ``root`` with a private /tmp and ``binds`` (source: target)."""
-    argv = ["ch-run", *(["--write"] if writable else []), "--private-tmp"]  # else the node's /tmp is shared
+    """ch-run on ``root`` with a private /tmp and ``binds`` (source: target). ``--no-passwd``:
+    ch-run's own /etc/passwd and /etc/group are deleted, sandbox-writable copies in the node's
+    /tmp, outside the disk quota (1 GiB went into one under ``disk: 64M``); the image's are used."""
+    argv = ["ch-run", *(["--write"] if writable else []), "--private-tmp", "--no-passwd"]  # private: else the node's /tmp
     for source, target in binds.items():
         argv += ["--bind", f"{source}:{target}"]
     return [*argv, str(root), "--", *command]
 
 
-def container_args(staging: Path, block_network: bool, root: Path, binds: dict[str, str], command: list[str],
+def container_args(staging: Path, root: Path, binds: dict[str, str], command: list[str],
                    writable: bool = True) -> list[str]:
     """The whole container: namespaces, a private minimal /dev built in ``staging``, then ch-run.
     The same for a held sandbox on a pilot and a per-job container."""
-    return [*unshare_args(block_network), "--", *minimal_dev_args(staging, block_network),
-            *ch_run_args(root, binds, command, writable)]
+    return [*unshare_args(), "--", *minimal_dev_args(staging), *ch_run_args(root, binds, command, writable)]
 
 
 def find_holder(pid: int) -> Optional[int]:
@@ -137,9 +138,15 @@ class CharliecloudRuntime(IsolationRuntime):
         staging.mkdir()
         if owner:
             os.chown(staging, *owner)
+        binds = {str(self.context.helper): HOLD_PATH}
+        egress = self.context.egress
+        if egress.shares_host_network and not spec.block_network:
+            raise InvalidRequest("block_network: false with network_egress 'host' is not offered by the charliecloud "
+                                 "runtime (its sandboxes always have a network namespace of their own)")
+        if not spec.block_network and egress.resolv_conf() is not None:
+            binds[str(self.context.settings.share_dir / "resolv.conf")] = "/etc/resolv.conf"
         argv = [*launcher_prefix(self.context, sandbox, owner),
-                *container_args(staging, spec.block_network, root, {str(self.context.helper): HOLD_PATH},
-                                [HOLD_PATH, *HOLD_ARGS])]
+                *container_args(staging, root, binds, [HOLD_PATH, *HOLD_ARGS])]
         env = {"PATH": DEFAULT_PATH, "USER": pwd.getpwuid(ids[0]).pw_name if _known(ids[0]) else "orchard"}
         await spawn_holder(self.context, sandbox, [shutil.which(argv[0]) or argv[0], *argv[1:]], env, "ch-run")
         holder = find_holder(placement.holder_pid or 0)
@@ -147,6 +154,8 @@ class CharliecloudRuntime(IsolationRuntime):
             raise RuntimeUnavailable("ch-run started, but its holder process was not found")
         placement.target_pid = holder
         placement.root = f"/proc/{holder}/root"
+        if not spec.block_network:
+            await egress.attach(sandbox.sandbox_id, holder)
         if disk:  # ch-run's private /tmp is a tmpfs of no size: give it the sandbox's disk quota
             code, _, err = await run_tool(self.context.reaper, ["mount", "-N", str(holder), "-o",
                                                                 f"remount,size={disk}", "/tmp"], {"PATH": DEFAULT_PATH})
@@ -156,6 +165,7 @@ class CharliecloudRuntime(IsolationRuntime):
 
     async def stop(self, sandbox: SandboxState) -> None:
         await stop_held(sandbox)
+        await self.context.egress.detach(sandbox.sandbox_id)
 
 
 def _known(uid: int) -> bool:

@@ -1,8 +1,9 @@
 """``podman``: each sandbox is a Podman container (runc) kept by ``orchard-enter --hold``.
 
 ``podman run -d`` with the holder bound in as the entrypoint: the container's own PID, IPC,
-UTS and mount namespaces, no network (``--network none``) when the sandbox blocks it (the
-host's otherwise, as bubblewrap sandboxes have), all capabilities dropped, and under a root
+UTS and mount namespaces, a network namespace of its own (``--network none``; a sandbox
+with network gets its way out from the agent's egress, as bubblewrap sandboxes do), all
+capabilities dropped, and under a root
 agent a user namespace whose root is the unprivileged host uid (``--uidmap``), so images
 that expect root work without root on the host. Commands join the container's PID with
 ``orchard-enter --target`` and its cgroup (where Podman put the limits), so an exec costs
@@ -57,16 +58,20 @@ def masked_proc_paths() -> list[str]:
     return [f"/proc/{name}" for name in (*MASKED_PROC_FILES, *MASKED_PROC_DIRS) if os.path.exists(f"/proc/{name}")]
 
 
-def run_options(sandbox_id: str, block_network: bool, helper: Path, idmap: Optional[tuple[int, int]],
+def run_options(sandbox_id: str, helper: Path, idmap: Optional[tuple[int, int]],
                 memory: Optional[str], pids: Optional[int], cpu: Optional[str],
-                cgroup_parent: Optional[str] = None) -> list[str]:
-    """``podman run`` options of one sandbox (see the module docstring for why)."""
+                cgroup_parent: Optional[str] = None, resolv_conf: Optional[Path] = None) -> list[str]:
+    """``podman run`` options of one sandbox (see the module docstring for why). Its network
+    is always a namespace of its own (``none``); an open sandbox gets its way out from the
+    agent's egress, and ``resolv_conf`` (that egress's name servers) as /etc/resolv.conf."""
     options = ["-d", "--name", container_name(sandbox_id), "--hostname", sandbox_id[:63],
-               "--network", "none" if block_network else "host", "--cap-drop", "all", "--cgroupns", "private",
+               "--network", "none", "--cap-drop", "all", "--cgroupns", "private",
                "--security-opt", "no-new-privileges", "--security-opt", f"mask={':'.join(masked_proc_paths())}",
                "-v", f"{helper}:{HOLD_PATH}:ro", "--entrypoint", HOLD_PATH, "--preserve-fds", "1"]
     if cgroup_parent:
         options += ["--cgroup-parent", cgroup_parent]
+    if resolv_conf is not None:
+        options += ["-v", f"{resolv_conf}:/etc/resolv.conf:ro"]
     if idmap:
         options += ["--uidmap", f"0:{idmap[0]}:{PODMAN_ID_SPAN}", "--gidmap", f"0:{idmap[1]}:{PODMAN_ID_SPAN}"]
     if memory:
@@ -212,11 +217,18 @@ class PodmanRuntime(IsolationRuntime):
         sandbox.state_dir.mkdir(parents=True, exist_ok=True)
         pidfile = sandbox.state_dir / "container.pid"
         lifeline = self._lifeline(sandbox.sandbox_id)
+        egress = self.context.egress
+        if egress.shares_host_network and not spec.block_network:
+            raise InvalidRequest("block_network: false with network_egress 'host' is not offered by the podman "
+                                 "runtime (its sandboxes always have a network namespace of their own)")
+        resolv_conf = None
+        if not spec.block_network and egress.resolv_conf() is not None:
+            resolv_conf = settings.share_dir / "resolv.conf"
         try:
             await self._podman("run", "--pidfile", str(pidfile), *run_options(
-                sandbox.sandbox_id, spec.block_network, self.context.helper, idmap,
+                sandbox.sandbox_id, self.context.helper, idmap,
                 spec.memory or settings.default_memory, spec.pids or settings.default_pids, spec.cpu,
-                self._cgroup_parent), image, *HOLD_ARGS, pass_fds={lifeline: LIFELINE_FD})
+                self._cgroup_parent, resolv_conf), image, *HOLD_ARGS, pass_fds={lifeline: LIFELINE_FD})
         except BaseException:
             write_end = self._lifelines.pop(sandbox.sandbox_id, None)
             if write_end is not None:
@@ -236,6 +248,8 @@ class PodmanRuntime(IsolationRuntime):
             placement.default_cwd = "/workspace"
         self._cgroups[sandbox.sandbox_id] = cgroup_procs_files(pid)
         sandbox.holder_exit = process_exit(pid)
+        if not spec.block_network:
+            await egress.attach(sandbox.sandbox_id, pid)
 
     def command(self, sandbox: SandboxState, argv: list[str], cwd: str, job_cgroup: Optional[Path] = None) -> list[str]:
         full = super().command(sandbox, argv, cwd, job_cgroup)
@@ -255,6 +269,7 @@ class PodmanRuntime(IsolationRuntime):
             lifeline = self._lifelines.pop(sandbox.sandbox_id, None)
             if lifeline is not None:
                 os.close(lifeline)
+        await self.context.egress.detach(sandbox.sandbox_id)
         remove_tree(sandbox.state_dir)
 
     async def _remove_container(self, name: str) -> None:
