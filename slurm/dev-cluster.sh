@@ -13,7 +13,15 @@ set -euo pipefail
 DIR=${ORCHARD_SLURM_DIR:-/tmp/orchard-slurm}
 ETC=/etc/slurm
 PACKAGES="slurm-wlm slurmctld slurmd munge slurmdbd mariadb-server"
-DB_PASSWORD=orchard-dev
+DB_SOCKET=/run/mysqld/mysqld.sock  # the client library's default: slurmdbd reaches it with StorageHost=localhost
+
+db_password() {  # made once per cluster directory, readable by root alone (it was a constant in this script)
+  local file="$DIR/db-password"
+  if [ ! -s "$file" ]; then
+    (umask 077; head -c 32 /dev/urandom | base64 | tr -dc 'A-Za-z0-9' > "$file")
+  fi
+  cat "$file"
+}
 DAEMONS="munged mariadbd slurmdbd slurmctld slurmd"
 
 log() { echo "dev-cluster: $*" >&2; }
@@ -37,7 +45,9 @@ install() {
 }
 
 write_configs() {
-  local cpus mem
+  local cpus mem DB_PASSWORD
+  mkdir -p "$DIR"
+  DB_PASSWORD=$(db_password)
   cpus=$(nproc)
   mem=$(( $(awk '/MemTotal/ {print $2}' /proc/meminfo) / 1024 - 2048 ))
   mkdir -p "$DIR"/{state,spool,log,run,mysql} "$ETC"
@@ -85,8 +95,7 @@ DbdHost=localhost
 DbdPort=6819
 SlurmUser=root
 StorageType=accounting_storage/mysql
-StorageHost=127.0.0.1
-StoragePort=3306
+StorageHost=localhost
 StorageUser=slurm
 StoragePass=$DB_PASSWORD
 StorageLoc=slurm_acct_db
@@ -115,15 +124,21 @@ start_mariadb() {
     mariadb-install-db --datadir="$DIR/mysql" --user=mysql >"$DIR/log/mariadb-install.log" 2>&1
   fi
   chown -R mysql:mysql "$DIR/mysql"
-  mariadbd --no-defaults --user=mysql --datadir="$DIR/mysql" --socket="$DIR/mysql/mysql.sock" \
-    --bind-address=127.0.0.1 --port=3306 --pid-file="$DIR/mysql/mariadb.pid" >"$DIR/log/mariadb.log" 2>&1 &
-  wait_for 30 mariadb mariadb --socket="$DIR/mysql/mysql.sock" -e "select 1"
-  mariadb --socket="$DIR/mysql/mysql.sock" <<EOF
-CREATE USER IF NOT EXISTS 'slurm'@'127.0.0.1' IDENTIFIED BY '$DB_PASSWORD';
-CREATE USER IF NOT EXISTS 'slurm'@'localhost' IDENTIFIED BY '$DB_PASSWORD';
+  mkdir -p "$(dirname "$DB_SOCKET")"
+  chown mysql:mysql "$(dirname "$DB_SOCKET")"
+  # No TCP listener at all (a sandbox that reached the node's loopback logged in with the
+  # published password): the Unix socket only, and no anonymous accounts.
+  mariadbd --no-defaults --user=mysql --datadir="$DIR/mysql" --socket="$DB_SOCKET" --skip-networking \
+    --pid-file="$DIR/mysql/mariadb.pid" >"$DIR/log/mariadb.log" 2>&1 &
+  wait_for 30 mariadb mariadb --socket="$DB_SOCKET" -e "select 1"
+  mariadb --socket="$DB_SOCKET" <<EOF
+DROP USER IF EXISTS 'slurm'@'127.0.0.1';
+CREATE USER IF NOT EXISTS 'slurm'@'localhost' IDENTIFIED BY '$(db_password)';
+ALTER USER 'slurm'@'localhost' IDENTIFIED BY '$(db_password)';
 CREATE DATABASE IF NOT EXISTS slurm_acct_db;
-GRANT ALL ON slurm_acct_db.* TO 'slurm'@'127.0.0.1';
 GRANT ALL ON slurm_acct_db.* TO 'slurm'@'localhost';
+DELETE FROM mysql.global_priv WHERE User = '';
+FLUSH PRIVILEGES;
 EOF
 }
 

@@ -20,7 +20,7 @@ import stat
 from pathlib import Path
 
 from orchard.agent.runtimes.mounts import clear_tree, mount, remount_read_only, remove_tree
-from orchard.agent.snapshots import MAX_TREE_DEPTH, tree_size
+from orchard.agent.snapshots import INODE_BYTES, MAX_TREE_DEPTH, tree_size
 from orchard.errors import QuotaExceeded
 
 log = logging.getLogger("orchard.agent")
@@ -31,11 +31,12 @@ _CHUNK = 1 << 20
 
 
 def layer_usage(layer: Path) -> int:
-    """The bytes a sandbox's writable layer (``layer``, holding ``upper``) holds now: its
-    tmpfs's usage when it has one, else a walk of its upper directory."""
+    """The bytes a sandbox's writable layer (``layer``, holding ``upper``) holds now: on its
+    tmpfs, the data pages and the inode space in use (inodes and extended attributes, which
+    pin kernel memory that the data count leaves out), else a walk of its upper directory."""
     if os.path.ismount(layer):
         info = os.statvfs(layer)
-        return (info.f_blocks - info.f_bfree) * info.f_frsize
+        return (info.f_blocks - info.f_bfree) * info.f_frsize + (info.f_files - info.f_ffree) * INODE_BYTES
     return tree_size(layer / "upper")
 
 

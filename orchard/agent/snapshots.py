@@ -175,11 +175,14 @@ class SnapshotStore:
         return [s.to_model() for s in self.snapshots.values() if not s.deleting]
 
 
+INODE_BYTES = 1024  # what an inode pins beside its data (tmpfs counts each as BOGO_INODE_SIZE)
+
+
 def hand_over(top: Path, old: tuple[int, int], new: tuple[int, int]) -> int:
     """Give every entry of a frozen layer owned by ``old`` (the sandbox's host ids) to
     ``new`` (the image owner), without following a symlink and by file descriptor (the
     tree was written by hostile code: paths may be longer than PATH_MAX). Returns the bytes
-    the layer holds. The sandbox is stopped; entries that vanish meanwhile (a descriptor
+    the layer holds (data blocks, and INODE_BYTES an entry: an empty file is not free). The sandbox is stopped; entries that vanish meanwhile (a descriptor
     kept outside it) are skipped."""
     return _walk(top, (old, new))
 
@@ -216,7 +219,7 @@ def _walk(top: Path, owners: Optional[tuple[tuple[int, int], tuple[int, int]]]) 
                             os.chown(entry.name, *new, dir_fd=fd, follow_symlinks=False)
                     except FileNotFoundError:
                         continue
-                    size += info.st_blocks * 512
+                    size += info.st_blocks * 512 + INODE_BYTES
         except BaseException:
             os.close(fd)
             raise

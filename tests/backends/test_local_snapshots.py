@@ -542,3 +542,30 @@ def test_file_calls_queued_behind_a_snapshot_wait_for_it_or_say_why(image, agent
     for taken in orchard_client.list_snapshots():
         if taken.sandbox_id == sandbox.id:
             orchard_client.delete_snapshot(taken.snapshot_id)
+
+
+XATTR_PROBE = ("import errno, os\nopen('/workspace/x', 'w').close()\ntry:\n"
+               "    os.setxattr('/workspace/x', 'user.hoard', b'z' * 60000)\n    print('set')\n"
+               "except OSError as exc:\n    print('refused' if exc.errno == errno.EOPNOTSUPP else errno.errorcode[exc.errno])\n")
+
+
+def test_extended_attributes_cannot_hold_data_outside_the_quota(orchard_client, kit_image):
+    """tmpfs keeps user.* xattrs in kernel memory its size= does not count: 300 MiB a round
+    went into a layer of disk: 16Mi while df showed 36 KB, and stayed in its snapshots."""
+    for spec in ({"image": kit_image, "disk": "16Mi"}, {"image": "host", "disk": "16Mi"}):
+        with orchard_client.create(**spec) as sandbox:
+            assert sandbox.exec(["python3", "-c", XATTR_PROBE]).stdout.strip() == "refused", spec
+
+
+def test_a_small_layer_holds_few_files_and_its_snapshot_counts_them(orchard_client, image):
+    """A tmpfs's size= counts data pages only; each inode pins kernel memory beside them.
+    The layer's inode count is bounded by its quota and a snapshot reports the inodes too."""
+    with orchard_client.create(image, disk="16Mi") as small:
+        made = small.exec("cd /workspace && i=0; while [ $i -lt 20000 ] && true > f$i 2>/dev/null; do i=$((i+1)); "
+                          "done; echo $i").stdout.strip()
+        assert 1000 <= int(made) <= (16 << 20) // 4096, made
+        snapshot = small.snapshot()
+        try:
+            assert snapshot.size_bytes >= int(made) * 1024, snapshot  # inodes counted, though no data page is used
+        finally:
+            orchard_client.delete_snapshot(snapshot.snapshot_id)

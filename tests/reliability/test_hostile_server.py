@@ -257,6 +257,23 @@ def test_a_blocked_sandbox_reaches_no_loopback_service_nor_abstract_socket(serve
     assert "open" not in answers, answers  # server, abstract socket, agent socket, munge, slurmctld/d, mariadb
 
 
+def test_an_open_sandbox_reaches_no_loopback_service_nor_abstract_socket_either(server, abstract_listener):
+    """With block_network: false the sandbox shared the host's network namespace: the server,
+    slurmctld, the accounting database and abstract sockets were all open to it."""
+    probe = PROBE.replace("SERVER_PORT", str(server.port)).replace("ABSTRACT", abstract_listener)
+    probe = probe.replace("AGENT_SOCKET", str(server.agent_state / "agent" / "agent.sock"))
+    with server.http() as http:
+        created = http.post("/sandboxes", json={"block_network": False})
+        assert created.status_code == 200, created.text
+        try:
+            result = run(http, created.json()["sandbox_id"], probe)
+        finally:
+            http.delete(f"/sandboxes/{created.json()['sandbox_id']}")
+    assert result["exit_code"] == 0, result["stderr"]
+    answers = result["stdout"].split()
+    assert "open" not in answers, answers
+
+
 def test_setuid_binaries_and_nested_namespaces_give_nothing(server, sid):
     with server.http() as http:
         result = run(http, sid, "stat -c mode=%A /usr/bin/su; grep NoNewPrivs /proc/self/status; "

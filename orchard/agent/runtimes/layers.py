@@ -57,6 +57,13 @@ def fork_options_length(sandboxes_dir: Path, layers: int) -> int:
     return len(overlay_options(directory, view_paths(directory, layers)))
 
 
+def layer_inodes(disk: int) -> int:
+    """Files a writable layer of ``disk`` bytes may hold: one a page, at least 1,024. A
+    tmpfs's size= counts data pages only; each inode pins about a KiB of kernel memory
+    beside them, so an unbounded count let a small quota pin gigabytes in empty files."""
+    return max(disk // 4096, 1024)
+
+
 def overlay_root(lower: Path, directory: Path, owner: tuple[int, int], disk: Optional[int],
                  mounts: list[Path], lower_owner: Optional[tuple[int, int]] = None,
                  base: Sequence[Path] = ()) -> Path:
@@ -86,7 +93,7 @@ def overlay_root(lower: Path, directory: Path, owner: tuple[int, int], disk: Opt
         raise OSError(f"the overlay's mount options take {len(options)} bytes, more than a page: too many "
                       "snapshot layers for this state_dir")
     if disk:
-        mount("tmpfs", layer, "tmpfs", f"size={disk},mode=0700,uid={owner[0]},gid={owner[1]}")
+        mount("tmpfs", layer, "tmpfs", f"size={disk},nr_inodes={layer_inodes(disk)},mode=0700,uid={owner[0]},gid={owner[1]}")
         mounts.insert(0, layer)
     for sub in ("upper", "work"):
         (layer / sub).mkdir()
