@@ -45,6 +45,11 @@ class ServerConfig(BaseModel):
                                              "(pip install psycopg); unset: the SQLite file at state")
     store_call_timeout: float = Field(10.0, gt=0, le=3600, description="seconds one PostgreSQL store call may "
                                       "take before its connection is given up (503): PostgreSQL hung or unreachable")
+    max_connections: int = Field(4096, ge=16, description="connections served at once; more are closed as they "
+                                 "arrive (an idle connection costs the server a descriptor until it goes)")
+    header_timeout: float = Field(10.0, gt=0, le=3600, description="seconds a connection has to send a request's "
+                                  "head (request line and headers) once it connected or began the request; a "
+                                  "slower one is closed")
     backend: BackendSection = Field(default_factory=BackendSection)
     reconciler: ReconcilerSettings = Field(default_factory=ReconcilerSettings)
     max_concurrent_exec: int = Field(1024, gt=0, description="commands in flight through this server")

@@ -17,15 +17,18 @@ from typing import Optional
 
 from orchard.errors import StoreUnavailable
 from orchard.server.config import ReconcilerSettings
+from orchard.server.connections import ConnectionGuard
 from orchard.server.service import OWNER_LABEL, ServerService
 
 log = logging.getLogger("orchard.server.reconciler")
 
 
 class Reconciler:
-    def __init__(self, service: ServerService, settings: ReconcilerSettings) -> None:
+    def __init__(self, service: ServerService, settings: ReconcilerSettings,
+                 connections: Optional[ConnectionGuard] = None) -> None:
         self.service = service
         self.settings = settings
+        self.connections = connections  # a server turning callers away reaps nobody for a missed heartbeat
         self._task: Optional[asyncio.Task] = None
 
     def start(self) -> None:
@@ -61,10 +64,14 @@ class Reconciler:
         if not service.store.lead("reconciler"):  # another replica reaps; two would delete twice
             return
         now = service.now()  # monotonic since start: a wall-clock step reaps nothing
+        refusing = bool(settings.heartbeat_ttl and self.connections is not None
+                        and self.connections.refused_within(settings.heartbeat_ttl))
+        if refusing:
+            self._count("heartbeats_not_reaped", reason="the server refused connections within heartbeat_ttl")
         for record in service.store.list_sandboxes():
             sandbox = record.sandbox
             expired = None
-            if settings.heartbeat_ttl and now - record.last_seen > settings.heartbeat_ttl:
+            if settings.heartbeat_ttl and now - record.last_seen > settings.heartbeat_ttl and not refusing:
                 expired = f"no heartbeat for {settings.heartbeat_ttl:g}s"
             elif settings.max_lifetime and now - sandbox.created_at > settings.max_lifetime:
                 expired = f"older than max_lifetime {settings.max_lifetime:g}s"
