@@ -54,6 +54,8 @@ class ServerConfig(BaseModel):
     reconciler: ReconcilerSettings = Field(default_factory=ReconcilerSettings)
     max_concurrent_exec: int = Field(1024, gt=0, description="commands in flight through this server")
     job_retention_seconds: float = Field(3600.0, gt=0)
+    job_retention_bytes: int = Field(512 << 20, gt=0, description="stored finished jobs (their output as JSON) kept "
+                                     "over all sandboxes; the oldest go first, as the agent's job_retention_bytes")
     max_body_bytes: int = Field(96 << 20, ge=1 << 20, description="largest JSON request body (413 above)")
     max_upload_bytes: Optional[int] = Field(None, ge=1, description="largest raw upload, streamed to the agent "
                                                                     "(default: the sandbox's disk quota decides)")

@@ -40,7 +40,7 @@ from psycopg.conninfo import conninfo_to_dict
 
 from orchard.errors import StoreUnavailable
 from orchard.models import Job
-from orchard.server.store import SandboxRecord, Store, job_record, readable, sandbox_record
+from orchard.server.store import PURGE_PAST_BYTES, SandboxRecord, Store, job_record, readable, sandbox_record
 
 log = logging.getLogger("orchard.server.postgres")
 
@@ -237,8 +237,12 @@ class PostgresStore(Store):
         rows = self._run("SELECT job_id, job FROM jobs WHERE sandbox_id = %s AND NOT done", (sandbox_id,)).fetchall()
         return readable(rows, job_record)
 
-    def purge_jobs(self, finished_before: float) -> int:
-        return self._run("DELETE FROM jobs WHERE done AND completed_at < %s", (finished_before,)).rowcount
+    def purge_jobs(self, finished_before: float, keep_bytes: Optional[int] = None) -> int:
+        purged = self._run("DELETE FROM jobs WHERE done AND completed_at < %s", (finished_before,)).rowcount
+        if keep_bytes is not None:
+            purged += self._run(PURGE_PAST_BYTES.format(size="octet_length(job)", done="", mark="%s"),
+                                (keep_bytes,)).rowcount
+        return purged
 
     def claim(self, name: str) -> bool:
         with self._session() as db:

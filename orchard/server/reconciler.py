@@ -141,4 +141,5 @@ class Reconciler:
         # Finished jobs carry their agents' wall-clock completion times: the cutoff is on the
         # earlier of the wall clock and the server's, so a step either way purges no result early
         # (a result finished before a step back, or after a step forward, is kept a little longer).
-        service.store.purge_jobs(min(time.time(), now) - service.config.job_retention_seconds)
+        service.store.purge_jobs(min(time.time(), now) - service.config.job_retention_seconds,
+                                 service.config.job_retention_bytes)

@@ -31,6 +31,11 @@ WAL_KEEP_BYTES = 4 << 20
 WAL_RESTART_BYTES = 64 << 20
 WAL_STALL_SECONDS = 1.0  # the writer's own truncation waits at most this long for the thread's copy
 WAL_STALL_COOLDOWN_SECONDS = 10.0  # and after a wait that ran out, does not wait again for this long
+# Finished jobs past the newest ``keep_bytes`` of stored records (each job's output is kept
+# as JSON, control bytes escaped, up to about six times the raw bytes), oldest first.
+PURGE_PAST_BYTES = """DELETE FROM jobs WHERE job_id IN (
+    SELECT job_id FROM (SELECT job_id, SUM({size}) OVER (ORDER BY completed_at DESC, job_id) AS newer
+                        FROM jobs WHERE done{done}) AS ranked WHERE newer > {mark})"""
 CHECKPOINT_BUSY_SECONDS = 0.25  # how long the thread's truncation waits for the writer or a reader
 
 
@@ -119,7 +124,9 @@ class Store(ABC):
     def unfinished_jobs(self, sandbox_id: str) -> list[Job]: ...
 
     @abstractmethod
-    def purge_jobs(self, finished_before: float) -> int: ...
+    def purge_jobs(self, finished_before: float, keep_bytes: Optional[int] = None) -> int:
+        """Remove finished jobs completed before ``finished_before``, then the oldest finished
+        ones past the newest ``keep_bytes`` of records; returns how many went."""
 
     def claim(self, name: str) -> bool:
         """Hold ``name`` (a sandbox being created) for this server until ``release``: False
@@ -391,8 +398,11 @@ class SQLiteStore(Store):
         rows = self.db.execute("SELECT job_id, job FROM jobs WHERE sandbox_id=? AND done=0", (sandbox_id,)).fetchall()
         return readable(rows, job_record)
 
-    def purge_jobs(self, finished_before: float) -> int:
+    def purge_jobs(self, finished_before: float, keep_bytes: Optional[int] = None) -> int:
         purged = self.db.execute("DELETE FROM jobs WHERE done=1 AND completed_at < ?", (finished_before,)).rowcount
+        if keep_bytes is not None:
+            purged += self.db.execute(PURGE_PAST_BYTES.format(size="length(CAST(job AS BLOB))", done="=1", mark="?"),
+                                      (keep_bytes,)).rowcount
         self.wal_limit.written()
         return purged
 

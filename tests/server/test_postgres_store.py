@@ -140,3 +140,14 @@ def test_a_store_url_that_is_not_postgresql_is_refused_by_name():
 
     with pytest.raises(ValidationError, match="store"):
         ServerConfig(store="mysql://root@db/orchard")
+
+
+def test_finished_jobs_are_bounded_by_bytes_there_too(database):
+    from orchard.server.postgres import PostgresStore
+    from tests.server.test_sqlite_store import check_job_bytes_bound
+
+    store = PostgresStore(database)
+    try:
+        check_job_bytes_bound(store)
+    finally:
+        store.close()

@@ -348,3 +348,31 @@ def test_a_record_that_is_not_utf8_fails_alone_and_a_bad_state_path_is_a_typed_e
     (tmp_path / "a-directory").mkdir()
     with pytest.raises(StoreUnavailable, match="unable to open"):
         SQLiteStore(tmp_path / "a-directory")
+
+
+def finished_job(n: int, completed_at: float, output: int = 1000) -> bytes:
+    return json.dumps({"job_id": f"job-{n:06d}", "sandbox_id": "sb", "command": "true", "status": "succeeded",
+                       "stdout": "\x01" * output, "exit_code": 0, "created_at": 1.0,
+                       "completed_at": completed_at}).encode()
+
+
+def check_job_bytes_bound(store) -> None:
+    """The oldest finished jobs go past ``keep_bytes``; unfinished ones and the newest stay.
+    Output with control bytes is stored escaped (\\u0001: six bytes each), which counts."""
+    for n in range(20):
+        store.put_job_json("sb", finished_job(n, completed_at=100.0 + n))
+    store.put_job_json("sb", json.dumps({"job_id": "running", "sandbox_id": "sb", "command": "sleep 9",
+                                         "status": "running", "created_at": 1.0}).encode())
+    one = len(finished_job(0, 100.0).decode().encode()) + 5 * 1000  # the stored, escaped size, about
+    purged = store.purge_jobs(finished_before=0.0, keep_bytes=5 * one)
+    kept = [n for n in range(20) if store.get_job(f"job-{n:06d}") is not None]
+    assert 10 <= purged <= 16 and kept == list(range(20 - len(kept), 20)) and 4 <= len(kept) <= 10, (purged, kept)
+    assert store.get_job("running") is not None
+
+
+def test_finished_jobs_are_bounded_by_bytes_not_only_by_age(tmp_path: Path):
+    store = SQLiteStore(tmp_path / "s.db")
+    try:
+        check_job_bytes_bound(store)
+    finally:
+        store.close()
