@@ -143,3 +143,45 @@ def test_dev_shm_has_a_size_of_its_own_within_the_disk_quota(orchard_client):
         assert job.exit_code != 0 and "No space left" in job.stderr, job
         assert int(small.exec("stat -c %s /dev/shm/big").stdout) <= 16 << 20
         assert small.exec("stat -c %a /dev/shm").stdout == "1777\n"
+
+
+def test_agent_status_asks_nothing_a_sandbox_process_names(orchard_client):
+    """`orchard agent status` found agents by command line and asked the address their
+    agent.json gave, before checking the pid: a sandbox process claiming an agent's command
+    line, with a state directory in its own root, had root's status send it a request."""
+    import json as json_module
+    import socket as socket_module
+    import threading as threading_module
+    import time as time_module
+
+    from orchard.backends.local.launcher import running_agents
+
+    hits: list[bytes] = []
+    listener = socket_module.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+
+    def accept() -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            hits.append(conn.recv(1024))
+            conn.close()
+
+    threading_module.Thread(target=accept, daemon=True).start()
+    try:
+        with orchard_client.create() as sandbox:
+            state = f"/proc/{holder_pid(sandbox)}/root/tmp/evil"
+            record = json_module.dumps({"pid": 1, "address": f"http://127.0.0.1:{listener.getsockname()[1]}"})
+            sandbox.upload("/tmp/evil/agent/agent.json", record)
+            sandbox.exec("chmod 700 /tmp/evil/agent", check=True)
+            sandbox.exec(f"nohup python3 -c 'import time; time.sleep(60)' -m orchard.agent --state-dir {state} "
+                         ">/dev/null 2>&1 & sleep 0.5", check=True)
+            found = running_agents()
+            time_module.sleep(0.2)
+            assert not hits, hits
+            assert all(agent["state_dir"] != state for agent in found)
+    finally:
+        listener.close()

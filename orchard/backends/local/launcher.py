@@ -12,6 +12,7 @@ import logging
 import os
 import select
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -80,21 +81,51 @@ def _agent_state_dir(pid: int) -> Optional[str]:
         return None
 
 
+def _could_be_our_agent(pid: int) -> bool:
+    """A process that may be an agent of ours: our user's, in our PID namespace. Any process
+    can claim an agent's command line; a sandbox's processes run in a PID namespace of their
+    own (and, under a root agent, as another uid), so none of them passes."""
+    try:
+        if os.stat(f"/proc/{pid}").st_uid != os.geteuid():
+            return False
+        return os.stat(f"/proc/{pid}/ns/pid").st_ino == os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return False
+
+
+def _private_agent_dir(settings: AgentSettings) -> bool:
+    """The state directory's agent/ is a real directory of ours that nobody else can write
+    (make_dirs makes it 0700), reached without a path through /proc, such as another
+    process's root: what a command line names is never followed into a sandbox's files."""
+    try:
+        if Path(os.path.realpath(settings.state_dir)).parts[1:2] == ("proc",):
+            return False
+        info = os.lstat(settings.agent_dir)
+    except (OSError, IndexError):
+        return False
+    return stat.S_ISDIR(info.st_mode) and info.st_uid == os.geteuid() and not info.st_mode & 0o022
+
+
 def running_agents() -> list[dict]:
     """Every local agent running on this machine (found by its command line), with its
-    ``agent.json`` and state directory: what `orchard agent status` lists."""
+    ``agent.json`` and state directory: what `orchard agent status` lists. A candidate is
+    checked before anything it names is read or asked: its owner and PID namespace, then
+    its state directory, then that agent.json names this very process; only then /health."""
     found = []
     for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
+        if not entry.name.isdigit() or not _could_be_our_agent(int(entry.name)):
             continue
         state_dir = _agent_state_dir(int(entry.name))
         if state_dir is None:
             continue
         try:
-            info = running_agent(AgentSettings(state_dir=state_dir))
-        except ValueError:
+            settings = AgentSettings(state_dir=state_dir)
+            if not _private_agent_dir(settings):
+                continue
+            info = json.loads((settings.agent_dir / "agent.json").read_text())
+        except (OSError, ValueError):
             continue
-        if info is not None and int(info["pid"]) == int(entry.name):
+        if isinstance(info, dict) and info.get("pid") == int(entry.name) and _healthy(str(info.get("address"))):
             found.append({**info, "state_dir": state_dir})
     return found
 
