@@ -23,7 +23,7 @@ import os
 import signal
 import socket
 from pathlib import PurePosixPath
-from typing import TYPE_CHECKING, AsyncIterator, Optional
+from typing import TYPE_CHECKING, AsyncIterator, Awaitable, Optional, TypeVar
 
 from orchard.agent.jobs import settle_holder
 from orchard.download_cut import DownloadCut
@@ -39,6 +39,8 @@ log = logging.getLogger("orchard.agent")
 
 FILE_ERROR_EXIT = 3  # enter_files.c: the operation failed, the reason is on stderr
 HELPER_FAILED_EXIT = 125
+HELPER_CHECK_SECONDS = 1.0  # how often a waiting file call looks at its helper
+T = TypeVar("T")
 _KINDS = {"d": "directory", "f": "file", "l": "symlink", "o": "other"}
 _REASONS = {
     errno.ENOENT: "no such file or directory",
@@ -56,12 +58,61 @@ _REASONS = {
 
 
 class _HelperRun:
-    """One ``orchard-enter --file`` process: its pipes and its exit."""
+    """One ``orchard-enter --file`` process: its pipes and its exit.
+
+    The helper runs as the sandbox's user in its PID namespace, so the sandbox can stop it
+    (SIGSTOP) or starve it, and a call waiting on it would hold its slots, and the agent's,
+    for good: one sandbox held every slot of an agent with max_file_calls 16 and blocked
+    another's download. So every wait on a helper (``within``) checks it once a second,
+    kills one found stopped at once, and one that made no progress for ``stall`` seconds."""
 
     def __init__(self, pid: int, exited: "asyncio.Future[int]", stdout: asyncio.StreamReader,
-                 stdout_end: asyncio.StreamWriter, stdin: Optional[asyncio.StreamWriter], stderr_fd: int) -> None:
+                 stdout_end: asyncio.StreamWriter, stdin: Optional[asyncio.StreamWriter], stderr_fd: int,
+                 stall: float) -> None:
         self.pid, self.exited, self.stdout, self.stdin, self.stderr_fd = pid, exited, stdout, stdin, stderr_fd
         self.stdout_end = stdout_end  # owns the socket (a stream keeps it open after EOF)
+        self.stall = stall
+
+    async def within(self, step: Awaitable[T]) -> T:
+        """``step`` (a read, a drain, the exit), or FileOperationFailed once the helper is
+        found stopped or ``stall`` seconds pass without it completing; the helper is killed."""
+        # a future (the exit) is shared with the reaper: waited on through a shield, never cancelled
+        task = asyncio.ensure_future(step if asyncio.iscoroutine(step) else asyncio.shield(step))
+        waited = 0.0
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=HELPER_CHECK_SECONDS)
+                if done:
+                    return task.result()
+                waited += HELPER_CHECK_SECONDS
+                stopped = self.stopped()
+                if stopped or waited >= self.stall:
+                    self.kill()
+                    why = "was stopped inside the sandbox" if stopped else f"made no progress for {self.stall:g} s"
+                    raise FileOperationFailed(f"the file call's helper {why}; it was killed (file_call_stall_seconds)")
+        finally:
+            if not task.done():
+                task.cancel()
+
+    def stopped(self) -> bool:
+        """Whether the helper, or the child it forked into the sandbox's PID namespace (the
+        one the sandbox sees), is stopped: SIGSTOP, SIGTSTP or a tracer's stop. Killing the
+        helper kills that child (its parent-death signal)."""
+        pids = [self.pid]
+        try:
+            for task in os.listdir(f"/proc/{self.pid}/task"):
+                with open(f"/proc/{self.pid}/task/{task}/children", "rb") as children:
+                    pids += [int(child) for child in children.read().split()]
+        except OSError:
+            pass
+        for pid in pids:
+            try:
+                with open(f"/proc/{pid}/stat", "rb") as stat_file:
+                    if stat_file.read().rsplit(b")", 1)[1].split()[0] in (b"T", b"t"):
+                        return True
+            except (OSError, IndexError):
+                continue
+        return False
 
     def stderr(self) -> str:
         return os.pread(self.stderr_fd, 4096, 0).decode(errors="replace")
@@ -107,12 +158,12 @@ class _ReadStream:
         if self.done:
             raise StopAsyncIteration
         try:
-            chunk = await self.run.stdout.read(1 << 20)
+            chunk = await self.run.within(self.run.stdout.read(1 << 20))
             if self.done:  # closed while this read waited
                 raise StopAsyncIteration
             if chunk:
                 return chunk
-            if await self.run.exited != 0 and not self.done:
+            if await self.run.within(self.run.exited) != 0 and not self.done:
                 failure = await self.files._failure(self.run, self.full)
                 log.warning("sandbox %s: a download was cut short: %s", self.files.sandbox.sandbox_id, failure)
                 raise DownloadCut(str(failure)) from failure
@@ -150,8 +201,9 @@ class SandboxFiles:
     """File calls of one sandbox, each run inside it by the static helper."""
 
     def __init__(self, runtime: "IsolationRuntime", sandbox: "SandboxState", reaper: "ChildReaper",
-                 agent_slots: asyncio.Semaphore) -> None:
+                 agent_slots: asyncio.Semaphore, stall: float = 30.0) -> None:
         self.runtime = runtime
+        self.stall = stall  # seconds a helper may make no progress (see _HelperRun)
         self.sandbox = sandbox
         self.reaper = reaper
         self.agent_slots = agent_slots  # file calls in flight over all sandboxes
@@ -214,7 +266,7 @@ class SandboxFiles:
             if not exited.done():  # not reaped yet: the pid is still the helper's
                 os.kill(pid, signal.SIGKILL)
             raise
-        run = _HelperRun(pid, exited, reader, stdout_end, None, err_fd)
+        run = _HelperRun(pid, exited, reader, stdout_end, None, err_fd, self.stall)
         if in_ours is not None:
             try:
                 run.stdin = (await asyncio.open_unix_connection(sock=in_ours))[1]
@@ -272,15 +324,15 @@ class SandboxFiles:
             try:
                 async for chunk in chunks:
                     run.stdin.write(chunk)
-                    await run.stdin.drain()
+                    await run.within(run.stdin.drain())
                 run.stdin.close()
             except (BrokenPipeError, ConnectionResetError):
                 pass  # the helper stopped reading: its exit says why
             except BaseException:
                 run.kill()  # the caller's stream failed: leave no half-fed helper behind
                 raise
-            written = self._header(await run.stdout.read(64))
-            if await run.exited != 0 or written is None:
+            written = self._header(await run.within(run.stdout.read(64)))
+            if await run.within(run.exited) != 0 or written is None:
                 raise await self._failure(run, full)
             return full, written
         finally:
@@ -292,7 +344,7 @@ class SandboxFiles:
         run: Optional[_HelperRun] = None
         try:
             run = await self._start(["read", full, str(max_bytes)])
-            size = self._header(await run.stdout.readline())
+            size = self._header(await run.within(run.stdout.readline()))
             if size is None:
                 run.kill()
                 raise await self._failure(run, full)
@@ -320,7 +372,7 @@ class SandboxFiles:
         run = await self._start(["list", full, str(offset), str(limit)])
         try:
             try:
-                total = self._header(await run.stdout.readuntil(b"\0"))
+                total = self._header(await run.within(run.stdout.readuntil(b"\0")))
             except asyncio.IncompleteReadError:
                 total = None
             if total is None:
@@ -328,13 +380,13 @@ class SandboxFiles:
             entries = []
             while True:
                 try:
-                    record = await run.stdout.readuntil(b"\0")
+                    record = await run.within(run.stdout.readuntil(b"\0"))
                 except asyncio.IncompleteReadError:
                     break
                 kind, size, seconds, nanos, name = record[:-1].split(b" ", 4)
                 entries.append(FileEntry(name=name.decode(errors="backslashreplace"), type=_KINDS[kind.decode()], size=int(size),
                                          modified=int(seconds) + int(nanos) / 1e9))
-            if await run.exited != 0:
+            if await run.within(run.exited) != 0:
                 raise await self._failure(run, full, "not a directory")
             return full, total, entries
         finally:

@@ -18,6 +18,12 @@ from orchard.models import Sandbox, SandboxSpec, SandboxStatus
 FILE_CALLS_PER_SANDBOX = 16  # at once; more wait (each costs the agent a process and four fds)
 
 
+def file_calls_per_sandbox(agent_slots: int) -> int:
+    """One sandbox's share of the agent's file-call slots: never more than a quarter of
+    them, so no one sandbox can hold them all."""
+    return min(FILE_CALLS_PER_SANDBOX, max(1, agent_slots // 4))
+
+
 @dataclass
 class Placement:
     """Where a started sandbox lives, as its runtime reports it."""

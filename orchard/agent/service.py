@@ -31,7 +31,7 @@ from orchard.agent.runtimes.api import IsolationRuntime, RuntimeContext
 from orchard.agent.runtimes.bwrap import build_host_etc
 from orchard.agent.runtimes.helper import helper_path
 from orchard.agent.runtimes.mounts import remove_tree
-from orchard.agent.sandbox import SandboxState
+from orchard.agent.sandbox import SandboxState, file_calls_per_sandbox
 from orchard.agent.snapshot_ops import SnapshotOperations
 from orchard.agent.snapshots import SnapshotState, SnapshotStore
 from orchard.agent.settings import AgentSettings
@@ -273,7 +273,8 @@ class AgentService(SnapshotOperations):
             raise QuotaExceeded(f"this agent already hosts {len(self.sandboxes)} sandboxes (max_sandboxes)")
         assert self.runtime is not None
         sandbox = SandboxState(spec=spec.model_copy(update={"sandbox_id": sandbox_id}), sandbox_id=sandbox_id,
-                               runtime=self.runtime.name, state_dir=self.settings.sandboxes_dir / sandbox_id, base=base)
+                               runtime=self.runtime.name, state_dir=self.settings.sandboxes_dir / sandbox_id, base=base,
+                               file_slots=asyncio.Semaphore(file_calls_per_sandbox(self.settings.max_file_calls)))
         self.sandboxes[sandbox_id] = sandbox
         if base is not None:
             self.snapshots.use(base, sandbox_id)
@@ -442,7 +443,7 @@ class AgentService(SnapshotOperations):
     # -- files ---------------------------------------------------------------------
     def _files(self, sandbox: SandboxState) -> SandboxFiles:
         assert self.runtime is not None
-        return SandboxFiles(self.runtime, sandbox, self.reaper, self.file_slots)
+        return SandboxFiles(self.runtime, sandbox, self.reaper, self.file_slots, self.settings.file_call_stall_seconds)
 
     async def upload(self, sandbox_id: str, upload: FileUpload) -> FileUploaded:
         sandbox = self._ready(sandbox_id)

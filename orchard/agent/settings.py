@@ -80,7 +80,11 @@ class AgentSettings(BaseModel):
                                         "ids stay taken until then)")
     idle_exit_seconds: Optional[float] = Field(900.0, gt=0, description="exit after this long with no sandbox and "
                                                "no call (the local backend starts it again on demand); null: never")
-    max_file_calls: int = Field(256, ge=1, description="file calls in flight over all sandboxes (more wait)")
+    max_file_calls: int = Field(256, ge=1, description="file calls in flight over all sandboxes (more wait); one "
+                                "sandbox holds at most a quarter of them (and 16)")
+    file_call_stall_seconds: float = Field(30.0, gt=0, description="a file call whose helper makes no progress for "
+                                           "this long is killed and fails (one found stopped inside its sandbox "
+                                           "at once)")
     max_connections: int = Field(4096, ge=16, description="connections the agent serves at once (503 above)")
     max_list_entries: int = Field(10000, gt=0, description="most directory entries one files/list page returns")
     sandbox_ptys: int = Field(64, ge=1, le=4096, description="terminals (pseudo-terminal devices) one sandbox may "
