@@ -5,7 +5,9 @@ own (never bound into the container) and hands to the container as an inherited 
 descriptor, so there is no socket path a sandbox could replace: the relay can only ever
 reach that agent, never a socket such as munge's. The relay also checks each connection's
 key before relaying a byte (the job's master token, or this sandbox's own per-sandbox
-token) and closes connections that do not send a request head in time.
+token) and closes connections that do not send a request head in time. Connections still
+owing their head are limited per peer address as well as in all: one peer (a node whose
+open sandboxes flood the relay) cannot take every slot from the server holding the key.
 """
 
 from __future__ import annotations
@@ -20,8 +22,9 @@ from typing import Optional
 from orchard.agent.tokens import PREFIX, token_matches
 
 HEAD_LIMIT = 16 << 10  # a request head larger than this is no request of ours
-HEAD_DEADLINE = 5.0  # seconds an unauthenticated connection may stay open
+HEAD_DEADLINE = 2.0  # seconds an unauthenticated connection may stay open
 MAX_UNAUTHENTICATED = 256  # connections still owing their request head; more are closed at once
+MAX_UNAUTHENTICATED_PER_PEER = 32  # of those, from one peer address
 _REFUSED = (b"HTTP/1.1 401 Unauthorized\r\ncontent-type: application/json\r\nconnection: close\r\n"
             b"content-length: %d\r\n\r\n%s")
 
@@ -51,6 +54,7 @@ class Relay:
         self.sandbox_id = sandbox_id
         self._incarnation: Optional[str] = None
         self._pending = 0  # connections that have not shown a key yet
+        self._pending_by_peer: dict[str, int] = {}
 
     async def start(self, host: str) -> asyncio.AbstractServer:
         return await asyncio.start_server(self._connect, host, 0, limit=HEAD_LIMIT)
@@ -85,10 +89,13 @@ class Relay:
         return self._incarnation is not None and token_matches(key, self.token, self.sandbox_id, self._incarnation)
 
     async def _connect(self, client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter) -> None:
-        if self._pending >= MAX_UNAUTHENTICATED:  # a flood of silent connections must not exhaust our fds
-            client_writer.close()
+        peer = client_writer.get_extra_info("peername")
+        peer_host = str(peer[0]) if isinstance(peer, tuple) and peer else "?"
+        if self._pending >= MAX_UNAUTHENTICATED or self._pending_by_peer.get(peer_host, 0) >= MAX_UNAUTHENTICATED_PER_PEER:
+            client_writer.close()  # a flood of silent connections must not exhaust our fds, nor one peer our slots
             return
         self._pending += 1
+        self._pending_by_peer[peer_host] = self._pending_by_peer.get(peer_host, 0) + 1
         try:
             head = await asyncio.wait_for(client_reader.readuntil(b"\r\n\r\n"), HEAD_DEADLINE)
         except (asyncio.TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError):
@@ -96,6 +103,9 @@ class Relay:
             return
         finally:
             self._pending -= 1
+            left = self._pending_by_peer.pop(peer_host) - 1
+            if left:
+                self._pending_by_peer[peer_host] = left
         if not await self._allowed(api_key(head)):
             body = b'{"detail":"missing or wrong X-API-Key","error":{"type":"AuthenticationFailed",' \
                    b'"message":"missing or wrong X-API-Key"}}'
