@@ -52,6 +52,22 @@ def container_name(sandbox_id: str) -> str:
     return "orchard-" + re.sub(r"[^a-zA-Z0-9_.-]", "-", sandbox_id)
 
 
+def remove_empty_cgroup_trees(parent: str) -> None:
+    """Remove ``parent`` (a cgroup path Podman made in every v1 hierarchy for its containers)
+    wherever it is empty, deepest first: Podman removes a container's own group, not the
+    ones above it, and 48 empty directories under a cancelled pilot's job kept Slurm from
+    removing the job's cgroup. A group still holding a process stays (rmdir refuses it)."""
+    for hierarchy in Path("/sys/fs/cgroup").iterdir():
+        top = hierarchy / parent.lstrip("/")
+        if not top.is_dir() or top.is_symlink():
+            continue
+        for directory, _, _ in os.walk(top, topdown=False):
+            try:
+                os.rmdir(directory)
+            except OSError:
+                continue
+
+
 def masked_proc_paths() -> list[str]:
     """The host-global /proc entries bwrap sandboxes mask, for Podman to mask as well (its own
     default list leaves /proc/kallsyms and others readable)."""
@@ -271,6 +287,8 @@ class PodmanRuntime(IsolationRuntime):
                 os.close(lifeline)
         await self.context.egress.detach(sandbox.sandbox_id)
         remove_tree(sandbox.state_dir)
+        if self._cgroup_parent is not None and not self._lifelines:
+            remove_empty_cgroup_trees(self._cgroup_parent)
 
     async def _remove_container(self, name: str) -> None:
         for attempt in range(RM_ATTEMPTS):
