@@ -154,7 +154,8 @@ class PilotPool:
             cache = self.config.image_cache_dir or self.config.shared_dir / "image-cache"
             call = (run_sandbox_job, SandboxJob(str(directory), str(spec.sandbox_id), spec.image, self.config.runtime,
                                                 spec.block_network, str(await self.bundle()), self.config.agent_host,
-                                                str(cache), self.config.image_policy(), self.config.host_id_settings()))
+                                                str(cache), self.config.image_policy(), self.config.host_id_settings(),
+                                                int(self.config.mem_per_pilot_gb * (1 << 30))))
             submitted_at = time.time()
             job = await asyncio.to_thread(self.executor().submit, *call)
             return self._track(pilot_id, directory, str(job.job_id), submitted_at, str(spec.sandbox_id))

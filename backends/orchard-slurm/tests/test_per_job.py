@@ -183,3 +183,17 @@ def test_a_per_job_sandbox_that_fails_to_start_leaves_no_job(per_job):
     while live_jobs(job_name) != before and time.monotonic() < deadline:
         time.sleep(0.2)
     assert live_jobs(job_name) == before
+
+
+def test_a_per_job_sandbox_cannot_fill_the_shared_filesystem(per_job):
+    """Its writable layer was on shared_dir with no limit (3 GiB went in from a job of 2 GB);
+    now it is a tmpfs of the job's memory, off the shared filesystem."""
+    client, image, _, shared = per_job
+    import shutil
+
+    with client.create(image) as sandbox:
+        free_before = shutil.disk_usage(shared).free
+        job = sandbox.exec("head -c 3000000000 /dev/zero > /workspace/big", timeout=120)
+        assert job.exit_code != 0, job
+        assert shutil.disk_usage(shared).free > free_before - (64 << 20)  # nothing of it landed on shared_dir
+        assert sandbox.exec("rm -f /workspace/big && echo freed").stdout == "freed\n"
