@@ -230,9 +230,11 @@ class CgroupManager:
     ``below_own`` (cgroup v1), under the agent's own cgroup instead, so whatever bounds the
     agent (a Slurm job's cgroup) bounds its sandboxes."""
 
-    def __init__(self, agent_name: str, below_own: bool = False) -> None:
+    def __init__(self, agent_name: str, below_own: bool = False, total_pids: Optional[int] = None) -> None:
         self.agent_name = agent_name
         self.below_own = below_own
+        self.total_pids = total_pids  # pids.max of the agent's own group: all its sandboxes together
+        self._total_set = False
         self.mode, self.bases = self._detect()
         # Trees below the agent's own cgroup go with it (a Slurm job's); the shared ones (all of
         # them, or below_own, those of controllers the job does not constrain: a pilot's pids
@@ -273,6 +275,9 @@ class CgroupManager:
             if self.mode == "v2":
                 self._enable_v2_controllers(path)
             path.mkdir(parents=True, exist_ok=True)
+            if controller in ("pids", "unified") and self.total_pids and not self._total_set:
+                (base / "pids.max").write_text(str(self.total_pids))  # the base exists now (mkdir parents)
+                self._total_set = True
             group.dirs["memory" if controller == "unified" else controller] = path
             self._apply(controller, path, memory, pids, cpus)
         if self.mode == "v1" and "pids" in group.dirs:

@@ -125,7 +125,7 @@ class AgentService(SnapshotOperations):
         self.egress = choose_egress(settings, self.reaper, digest)
         _write_share_files(settings, self.egress.resolv_conf())
         self.cgroups = CgroupManager(agent_name=f"{settings.state_dir.name}-{digest}",  # stable across restarts
-                                     below_own=settings.cgroups_below_own)
+                                     below_own=settings.cgroups_below_own, total_pids=settings.sandbox_pids_total())
         self._clean_leftovers()
         cache = settings.images_dir / str(owner[0]) if owner else settings.images_dir  # trees belong to their owner
         images = ImageStore(cache, owner, settings.image_policy(), self.reaper)

@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict, DirectoryPath, Field, FilePath, Vali
 from orchard.agent.egress.ranges import parse_networks
 from orchard.agent.host_ids import DEFAULT_HOST_UID
 from orchard.agent.image_policy import DEFAULT_REGISTRIES
-from orchard.quantities import parse_bytes
+from orchard.quantities import parse_bytes, parse_cpu
 
 
 def default_state_dir() -> Path:
@@ -41,6 +41,15 @@ class AgentSettings(BaseModel):
                                                       "clashes with an account), try this many next ranges")
     default_memory: Optional[str] = Field("4Gi", description="memory limit when a sandbox sets none")
     default_pids: Optional[int] = Field(4096, description="process limit when a sandbox sets none")
+    sandbox_open_files: int = Field(4096, ge=64, le=1 << 20, description="open files one process of a sandbox "
+                                    "may hold (its hard limit; the soft one is 1,024 or this, if less); sandboxes "
+                                    "inherited the agent's own, raised to the host's hard limit")
+    total_pids: Optional[int] = Field(None, ge=16, description="processes of all this agent's sandboxes together "
+                                      "(the pids limit of its own cgroup); null: three quarters of the kernel's "
+                                      "pid_max, so sandboxes at their default limit cannot take the host's pid space")
+    default_cpu: Optional[str] = Field(None, description="CPU quota when a sandbox sets none (\"2\", \"500m\"); "
+                                       "null: none, each sandbox's own CPU group at the default weight, so busy "
+                                       "sandboxes share the CPUs equally")
     default_disk: Optional[str] = Field("10Gi", description="writable-layer quota when a sandbox sets none")
     max_output_bytes: int = Field(1 << 20, ge=1024, description="kept per stream: half head, half tail")
     job_retention_seconds: float = Field(3600, gt=0, description="how long finished jobs stay retrievable")
@@ -136,6 +145,22 @@ class AgentSettings(BaseModel):
         if value is not None:
             parse_networks(value, info.field_name or "network")
         return value
+
+    @field_validator("default_cpu")
+    @classmethod
+    def _cpu(cls, value: Optional[str]) -> Optional[str]:
+        if value is not None:
+            parse_cpu(value)
+        return value
+
+    def sandbox_pids_total(self) -> int:
+        """``total_pids``, or three quarters of this kernel's pid_max."""
+        if self.total_pids is not None:
+            return self.total_pids
+        try:
+            return int(Path("/proc/sys/kernel/pid_max").read_text()) * 3 // 4
+        except (OSError, ValueError):
+            return 24576
 
     @field_validator("max_snapshot_bytes")
     @classmethod

@@ -185,3 +185,47 @@ def test_agent_status_asks_nothing_a_sandbox_process_names(orchard_client):
             assert all(agent["state_dir"] != state for agent in found)
     finally:
         listener.close()
+
+
+def test_all_sandboxes_together_stay_inside_total_pids(tmp_path_factory):
+    """Eight sandboxes at the default 4,096 processes took the whole pid space of a host
+    whose pid_max is 32,768: the agent's own group bounds them all (total_pids)."""
+    import time as time_module
+
+    from orchard.agent.cgroups import V1_ROOT
+    from orchard.agent.settings import AgentSettings
+    from orchard.backends.local.launcher import stop_agent
+    from orchard.client import Client
+
+    state = Path(f"/tmp/orchard-total-pids-{os.getpid()}-{time_module.monotonic_ns()}")
+    settings = AgentSettings(state_dir=state, image_dirs=["/tmp"], total_pids=120)
+    client = Client(backend="local", backend_settings={"agent": settings.model_dump(mode="json")})
+    try:
+        with client.create() as first:
+            job = first.exec(FORK_BOMB.replace("range(200)", "range(300)"), timeout=30)
+            assert "fork failed" in job.stdout, job.stdout + job.stderr
+            forked = int(job.stdout.split("fork failed after")[1].split()[0])
+            assert forked < 120, forked  # not its own 4,096
+            limits = [p.read_text().strip() for p in V1_ROOT.glob("pids/orchard/*/pids.max")
+                      if p.parent.name.startswith(state.name)] or \
+                     [p.read_text().strip() for p in V1_ROOT.glob("orchard/*/pids.max") if p.parent.name.startswith(state.name)]
+            assert limits == ["120"], limits
+    finally:
+        client.close()
+        stop_agent(settings)
+
+
+def test_sandboxes_get_their_own_open_files_limit_not_the_agents(orchard_client, agent_settings):
+    """The agent raises its own limit to the host's hard one, and every sandbox process
+    inherited it: 50 processes of one sandbox held 1,001,833 open files."""
+    import resource
+
+    hard = agent_settings.sandbox_open_files
+    assert resource.getrlimit(resource.RLIMIT_NOFILE)[1] > hard  # the test host's is higher: not vacuous
+    script = "import resource; print(*resource.getrlimit(resource.RLIMIT_NOFILE))"
+    with orchard_client.create() as sandbox:
+        assert sandbox.exec(["python3", "-c", script]).stdout.split() == [str(min(1024, hard)), str(hard)]
+        assert sandbox.exec(["python3", "-c", script], env={"X": "1"}).stdout.split() == [str(min(1024, hard)), str(hard)]
+        raised = sandbox.exec(["python3", "-c", "import resource; resource.setrlimit(resource.RLIMIT_NOFILE, "
+                               f"({hard + 1}, {hard + 1})); print('raised')"])
+        assert "raised" not in raised.stdout  # the hard limit holds

@@ -38,6 +38,13 @@ class RuntimeContext:
     egress: "Egress"  # how sandboxes with network get out of their own network namespace
 
 
+def open_files_args(context: RuntimeContext) -> list[str]:
+    """``--nofile SOFT:HARD`` for orchard-enter: the sandbox's own open-files limit, never
+    the agent's (raised to the host's hard limit, which every process it started inherited)."""
+    hard = context.settings.sandbox_open_files
+    return ["--nofile", f"{min(1024, hard)}:{hard}"]
+
+
 class IsolationRuntime(ABC):
     name: ClassVar[str]
     runs_in_place: ClassVar[bool] = False  # the agent's own container is the sandbox (``direct``)
@@ -69,7 +76,7 @@ class IsolationRuntime(ABC):
         """The argv the agent spawns to run ``argv`` in ``cwd`` inside the sandbox."""
         placement = sandbox.placement
         assert placement is not None
-        full = [str(self.context.helper), "--seccomp", "--oom-first"]
+        full = [str(self.context.helper), "--seccomp", "--oom-first", *open_files_args(self.context)]
         if sandbox.cgroup is not None:
             for procs in sandbox.cgroup.job_procs_files(job_cgroup):
                 full += ["--cgroup", procs]

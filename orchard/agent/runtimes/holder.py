@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from orchard.agent.runtimes.api import RuntimeContext
+from orchard.agent.runtimes.api import RuntimeContext, open_files_args
 from orchard.agent.runtimes.mounts import remove_tree, unmount
 from orchard.agent.sandbox import SandboxState
 from orchard.errors import QuotaExceeded, RuntimeUnavailable
@@ -32,7 +32,7 @@ def launcher_prefix(context: RuntimeContext, sandbox: Optional[SandboxState],
                     owner: Optional[tuple[int, int]]) -> list[str]:
     """``orchard-enter`` putting the tool into the sandbox's cgroup, as ``owner`` when given,
     killed if the agent dies (so no sandbox outlives its agent, even one killed with -9)."""
-    prefix = [str(context.helper), "--die-with-parent"]
+    prefix = [str(context.helper), "--die-with-parent", *open_files_args(context)]
     if sandbox is not None and sandbox.cgroup is not None:
         for procs in sandbox.cgroup.procs_files:
             prefix += ["--cgroup", procs]
@@ -46,9 +46,10 @@ def limit(context: RuntimeContext, sandbox: SandboxState) -> None:
     limits where no cgroup hierarchy is writable is an error, never ignored."""
     settings, spec = context.settings, sandbox.spec
     if context.cgroups.available:
+        cpu = spec.cpu or settings.default_cpu
         sandbox.cgroup = context.cgroups.create(
             sandbox.sandbox_id, optional_bytes(spec.memory or settings.default_memory),
-            spec.pids or settings.default_pids, parse_cpu(spec.cpu) if spec.cpu else None)
+            spec.pids or settings.default_pids, parse_cpu(cpu) if cpu else None)
     elif spec.memory or spec.pids or spec.cpu:
         raise QuotaExceeded("resource limits were asked for, but no cgroup hierarchy is writable here")
 

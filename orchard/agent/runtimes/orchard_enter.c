@@ -57,6 +57,7 @@
 #include <sys/ioctl.h>
 #include <sys/mount.h>
 #include <sys/prctl.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
@@ -298,7 +299,7 @@ static int wait_and_relay(pid_t child) {
 int main(int argc, char **argv) {
     const char *cgroups[MAX_CGROUPS];
     int n_cgroups = 0;
-    const char *target = NULL, *cwd = NULL, *pts_max = NULL;
+    const char *target = NULL, *cwd = NULL, *pts_max = NULL, *nofile = NULL;
     long uid = -1, gid = -1;
     int i = 1, holder = 0, ready_fd = -1, lifeline = -1, spawner = -1, file = 0, seccomp = 0, oom_first = 0, die_with_parent = 0;
     for (; i < argc; i++) {
@@ -321,7 +322,18 @@ int main(int argc, char **argv) {
         else if (!strcmp(argv[i], "--rows")) pty_rows = (int)strtol(argv[++i], NULL, 10);
         else if (!strcmp(argv[i], "--cols")) pty_cols = (int)strtol(argv[++i], NULL, 10);
         else if (!strcmp(argv[i], "--pts-max")) pts_max = argv[++i];
+        else if (!strcmp(argv[i], "--nofile")) nofile = argv[++i];
         else { fprintf(stderr, "orchard-enter: unknown option %s\n", argv[i]); return 125; }
+    }
+    if (nofile) {
+        /* --nofile SOFT:HARD: the sandbox's own open-files limit (the agent raised its own to
+           the hard limit, and everything it starts inherited that: 1,001,833 files were held
+           open by 50 processes of one sandbox) */
+        struct rlimit limit;
+        char *rest = NULL;
+        limit.rlim_cur = strtoul(nofile, &rest, 10);
+        limit.rlim_max = (rest && *rest == ':') ? strtoul(rest + 1, NULL, 10) : limit.rlim_cur;
+        if (limit.rlim_cur > limit.rlim_max || setrlimit(RLIMIT_NOFILE, &limit) < 0) die("setrlimit", nofile);
     }
     if (holder) return hold(ready_fd, lifeline, spawner);
     if (pts_max) {
