@@ -225,15 +225,17 @@ class AsyncClient:
     def __init__(self, url: Optional[str] = None, api_key: Optional[str] = None, *,
                  backend: Union[str, Backend, None] = None, backend_settings: Optional[dict[str, Any]] = None,
                  timeout: float = 60.0, retries: int = 5, direct: bool = False,
-                 heartbeat_interval: float = 30.0) -> None:
+                 heartbeat_interval: float = 30.0, ca_file: Optional[str] = None) -> None:
         """``direct=True`` (with a server ``url``): exec and file calls of sandboxes this
         client creates go straight to their agent with a token for that sandbox alone, and
-        heartbeats are sent to the server in the background, since it no longer sees the calls."""
+        heartbeats are sent to the server in the background, since it no longer sees the calls.
+        ``ca_file`` (an https ``url``): trust only certificates it vouches for, so nothing but
+        the server holding that certificate's key ever gets the API key."""
         self.url = url
         self.direct = direct and url is not None
         self.heartbeat_interval = heartbeat_interval
         self._timeout, self._retries = timeout, retries
-        self._remote = ApiClient(url, api_key, timeout=timeout, retries=retries) if url else None
+        self._remote = ApiClient(url, api_key, timeout=timeout, retries=retries, ca_file=ca_file) if url else None
         if self._remote is None:
             self._owns_backend = not isinstance(backend, Backend)  # built here: shut down here too
             self.backend = backend if isinstance(backend, Backend) else load_backend(backend or "local", backend_settings)

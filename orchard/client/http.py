@@ -30,10 +30,11 @@ TRANSIENT_ERRORS = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, L
 CONNECT_TIMEOUT = 10.0
 
 
-@functools.lru_cache(maxsize=1)
-def _tls_context() -> ssl.SSLContext:
-    """One verified TLS context for all clients: building one loads the CA bundle (~50 ms)."""
-    return ssl.create_default_context()
+@functools.lru_cache(maxsize=8)
+def _tls_context(ca_file: Optional[str] = None) -> ssl.SSLContext:
+    """One verified TLS context per trust root: building one loads the CA bundle (~50 ms).
+    ``ca_file`` pins the server: only certificates it vouches for are accepted."""
+    return ssl.create_default_context(cafile=ca_file) if ca_file else ssl.create_default_context()
 
 
 STREAM_ABOVE = 4 << 20  # larger bodies are sent in chunks
@@ -130,8 +131,9 @@ class ApiClient:
     clients on one thread and runs them on its loop thread)."""
 
     def __init__(self, url: str, api_key: Optional[str] = None, *, timeout: float = 60.0, retries: int = 5,
-                 max_connections: int = 128) -> None:
+                 max_connections: int = 128, ca_file: Optional[str] = None) -> None:
         self.url = url
+        self.ca_file = ca_file
         self.retries = retries
         self.timeout = timeout
         self.max_connections = max_connections
@@ -156,7 +158,7 @@ class ApiClient:
             if self.uds is not None:
                 connector = aiohttp.UnixConnector(path=self.uds, limit=self.max_connections, keepalive_timeout=60.0)
             else:
-                tls = _tls_context() if self.origin.startswith("https://") else None
+                tls = _tls_context(self.ca_file) if self.origin.startswith("https://") else None
                 connector = aiohttp.TCPConnector(limit=self.max_connections, keepalive_timeout=60.0, ssl=tls or False)
             self._session = aiohttp.ClientSession(connector=connector, headers=self.headers,
                                                   cookie_jar=aiohttp.DummyCookieJar(), auto_decompress=False)

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, FilePath, SecretStr, ValidationError, model_validator
 
 from orchard.agent.settings import default_state_dir
 from orchard.backends.api import Backend
@@ -45,6 +45,10 @@ class ServerConfig(BaseModel):
                                              "(pip install psycopg); unset: the SQLite file at state")
     store_call_timeout: float = Field(10.0, gt=0, le=3600, description="seconds one PostgreSQL store call may "
                                       "take before its connection is given up (503): PostgreSQL hung or unreachable")
+    tls_cert: Optional[FilePath] = Field(None, description="PEM certificate (chain) to serve HTTPS with; clients "
+                                         "that pin it (ca_file, or SSL_CERT_FILE) cannot be answered by anything "
+                                         "else that gets the port, such as a process waiting for it during a restart")
+    tls_key: Optional[FilePath] = Field(None, description="the certificate's PEM private key (with tls_cert)")
     max_connections: int = Field(4096, ge=16, description="connections served at once; more are closed as they "
                                  "arrive (an idle connection costs the server a descriptor until it goes)")
     header_timeout: float = Field(10.0, gt=0, le=3600, description="seconds a connection has to send a request's "
@@ -60,6 +64,12 @@ class ServerConfig(BaseModel):
     max_upload_bytes: Optional[int] = Field(None, ge=1, description="largest raw upload, streamed to the agent "
                                                                     "(default: the sandbox's disk quota decides)")
     log_level: str = "info"
+
+    @model_validator(mode="after")
+    def _tls_pair(self) -> "ServerConfig":
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("tls_cert and tls_key: give both, or neither")
+        return self
 
     def make_store(self) -> Store:
         if self.store:

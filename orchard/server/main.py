@@ -43,7 +43,9 @@ def serve(config: ServerConfig) -> None:
     # about 2% of the server's CPU per call
     server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
                                            access_log=False, timeout_keep_alive=60, backlog=4096, log_config=None,
-                                           proxy_headers=False, http=connections.protocol()))
+                                           proxy_headers=False, http=connections.protocol(),
+                                           ssl_certfile=str(config.tls_cert) if config.tls_cert else None,
+                                           ssl_keyfile=str(config.tls_key) if config.tls_key else None))
     quiet_download_cuts()
     tune_after_startup(server)
     try:

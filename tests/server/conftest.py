@@ -30,7 +30,7 @@ class ServerProcess:
         self.root.mkdir(mode=0o755)
         self.agent_state = self.root / "agent"
         self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"{'https' if settings.get('tls_cert') else 'http'}://127.0.0.1:{self.port}"
         config = {"port": self.port, "api_key": API_KEY, "state": str(self.root / "server.db"),
                   "backend": backend or {"name": "local", "settings": {"agent": {"state_dir": str(self.agent_state)}}},
                   "log_level": "info", **settings}
@@ -49,7 +49,7 @@ class ServerProcess:
             if self.process.poll() is not None:
                 raise RuntimeError(f"server exited: {self.log_path.read_text()[-2000:]}")
             try:
-                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
+                if httpx.get(f"{self.url}/health", timeout=1, verify=False).status_code == 200:  # up; TLS is the test's
                     return
             except httpx.HTTPError:
                 time.sleep(0.05)
