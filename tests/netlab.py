@@ -58,6 +58,7 @@ class NetLab:
     router_address = "10.213.0.2"
 
     def up(self) -> "NetLab":
+        remove_dead_labs()
         try:
             self._up()
         except BaseException:
@@ -89,7 +90,7 @@ class NetLab:
             sh("ip", "-n", namespace, "addr", "add", f"{address}/{prefix}", "dev", "eth0")
             sh("ip", "-n", namespace, "link", "set", "eth0", "up")
             sh("ip", "-n", namespace, "route", "add", "default", "via", router_side.split("/")[0])
-            sh("ip", "route", "add", f"{address}/32", "via", self.router_address)
+            sh("ip", "route", "replace", f"{address}/32", "via", self.router_address)
             self.services.append(subprocess.Popen(
                 ["ip", "netns", "exec", namespace, sys.executable, "-c", ANSWER, address, str(SERVICE_PORT), name],
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
@@ -117,6 +118,18 @@ class NetLab:
             subprocess.run(["ip", "netns", "del", namespace], capture_output=True)
         self.namespaces.clear()
         self.services.clear()
+
+
+def remove_dead_labs() -> None:
+    """Labs a killed test run left (named after a process that is gone): their namespaces,
+    host ends and routes would clash with a new one's."""
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split("\n")
+    for line in listed:
+        name = line.split(" ")[0]
+        tag = name.rsplit("-", 1)[-1]
+        if name.startswith("olab-") and tag.isdigit() and not os.path.exists(f"/proc/{tag}"):
+            subprocess.run(["ip", "netns", "del", name], capture_output=True)
+            subprocess.run(["ip", "link", "del", f"labh{tag}"[:15]], capture_output=True)
 
 
 def probe_script(address: str, port: int = SERVICE_PORT, timeout: float = 3.0) -> str:

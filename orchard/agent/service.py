@@ -17,7 +17,7 @@ from pathlib import PurePosixPath
 from typing import AsyncIterator, Optional
 
 from orchard.agent.cgroups import CgroupManager, SandboxCgroup
-from orchard.agent.egress import Egress, choose_egress
+from orchard.agent.egress import Egress, choose_egress, start_egress
 from orchard.agent.files import SandboxFiles
 from orchard.agent.host_ids import HostIdPool, claim_host_ids
 from orchard.agent.images import ImageStore
@@ -123,6 +123,8 @@ class AgentService(SnapshotOperations):
                     raise RuntimeUnavailable(reason)
         digest = hashlib.sha256(str(settings.state_dir.resolve()).encode()).hexdigest()[:10]
         self.egress = choose_egress(settings, self.reaper, digest)
+        if not runtime_cls.runs_in_place:  # direct: the agent's own container is the sandbox
+            self.egress = await start_egress(self.egress, settings, self.reaper, digest)
         _write_share_files(settings, self.egress.resolv_conf())
         self.cgroups = CgroupManager(agent_name=f"{settings.state_dir.name}-{digest}",  # stable across restarts
                                      below_own=settings.cgroups_below_own, total_pids=settings.sandbox_pids_total())
@@ -132,8 +134,6 @@ class AgentService(SnapshotOperations):
         context = RuntimeContext(settings=settings, helper=helper, cgroups=self.cgroups, images=images,
                                  reaper=self.reaper, egress=self.egress)
         self.runtime = runtime_cls(context)
-        if not runtime_cls.runs_in_place:
-            await self.egress.start()
         self.jobs_runner = JobRunner(self.reaper, helper, settings.max_output_bytes)
         self._spawn(self._purge_loop())
         if self.cgroups.available:

@@ -17,7 +17,7 @@ import pytest
 
 from orchard.agent.settings import AgentSettings
 from orchard.client import Client
-from orchard.errors import Unsupported
+from orchard.errors import RuntimeUnavailable, Unsupported
 from orchard.testing.isolation import hello_service
 from tests.netlab import NetLab, probe
 
@@ -194,3 +194,29 @@ def test_an_agent_without_egress_refuses_open_sandboxes_by_name(own_agent):
 def test_bad_network_settings_name_the_setting(setting, value):
     with pytest.raises(ValueError, match=setting):
         AgentSettings(**{setting: value})
+
+
+class EgressThatCannotStart:
+    """Stands in for a host whose kernel has no nf_tables (a double: this machine has it)."""
+
+    name = "nat"
+
+    def __init__(self) -> None:
+        self.started = False
+
+    async def start(self) -> None:
+        raise RuntimeUnavailable("network setup failed: nft: Error: Could not process rule: No such file or directory")
+
+
+def test_an_egress_that_cannot_start_gives_way_under_auto_and_fails_when_named():
+    import asyncio
+
+    from orchard.agent.egress import start_egress
+    from orchard.agent.reaper import ChildReaper
+
+    auto = AgentSettings(state_dir="/tmp/egress-unit")
+    chosen = asyncio.run(start_egress(EgressThatCannotStart(), auto, ChildReaper(), "abc"))  # type: ignore[arg-type]
+    assert chosen.name == "none" and "nft" in chosen.describe()["reason"]
+    named = AgentSettings(state_dir="/tmp/egress-unit", network_egress="nat")
+    with pytest.raises(RuntimeUnavailable, match="network_egress 'nat' could not start"):
+        asyncio.run(start_egress(EgressThatCannotStart(), named, ChildReaper(), "abc"))  # type: ignore[arg-type]

@@ -123,3 +123,19 @@ def tool(name: str) -> Optional[str]:
 
 def is_root() -> bool:
     return os.geteuid() == 0
+
+
+async def start_egress(egress: Egress, settings: "AgentSettings", reaper: "ChildReaper", agent_id: str) -> Egress:
+    """``egress`` started; under ``auto``, one that cannot start here (no nf_tables in the
+    kernel, a read-only /proc/sys) gives way to ``none`` with its reason, rather than
+    keeping the agent from serving blocked sandboxes."""
+    try:
+        await egress.start()
+        return egress
+    except (OSError, RuntimeUnavailable) as exc:
+        if settings.network_egress != "auto":
+            raise RuntimeUnavailable(f"network_egress {egress.name!r} could not start: {exc}") from None
+        log.warning("network egress %r could not start (%s): sandboxes with network are refused", egress.name, exc)
+        none = NoEgress(settings, reaper, agent_id)
+        none.reason = f"{egress.name}: {exc}"
+        return none
