@@ -30,7 +30,7 @@ from orchard.agent import inroot
 from orchard.agent.egress import Egress, choose_egress
 from orchard.agent.host_ids import DEFAULT_HOST_UID, claim_host_ids
 from orchard.agent.images import ImageStore, ResolvedImage
-from orchard.agent.reaper import ChildReaper
+from orchard.agent.reaper import ChildReaper, run_tool
 from orchard.agent.runtimes import bwrap
 from orchard.agent.runtimes.api import DEFAULT_PATH
 from orchard.agent.runtimes.layers import ensure_paths, overlay_root
@@ -207,11 +207,13 @@ async def _run(job: SandboxJob) -> None:
         loop.add_signal_handler(signal.SIGUSR2, lambda: (write_stop_record(job_dir, signal.SIGUSR2), stopping.set()))
         relay = Relay(job_dir / "relay" / "agent.sock", token, job.sandbox_id)
         await agent_ready(relay, exited, job_dir)
+        holder = namespace_holder(container)  # the container's first process (its network is its own)
+        if holder is None:
+            raise OrchardError(f"sandbox {job.sandbox_id}: no process of its container has a namespace of its own")
+        if job.runtime == "bwrap":  # bwrap's devpts has no max=, and the node's pool is every service's
+            await limit_job_ptys(job, holder, reaper)
         if egress is not None:
             await egress.start()
-            holder = namespace_holder(container)
-            if holder is None:
-                raise OrchardError(f"sandbox {job.sandbox_id}: no process of its container has a network namespace")
             await egress.attach(job.sandbox_id, holder)
         host = job.host or socket.gethostname()
         server = await relay.start(host)
@@ -250,6 +252,15 @@ def job_egress(job: SandboxJob, reaper: ChildReaper, work: Path) -> Optional[Egr
         (work / "resolv.conf").write_text(text)
         os.chmod(work / "resolv.conf", 0o644)
     return egress
+
+
+async def limit_job_ptys(job: SandboxJob, holder: int, reaper: ChildReaper) -> None:
+    """Cap the container's devpts at the agent's default ``sandbox_ptys`` (the bundle's orchard-enter)."""
+    helper = str(Path(job.bundle) / "bin" / "orchard-enter")
+    code, _, err = await run_tool(reaper, [helper, "--pts-max", str(AgentSettings.model_fields["sandbox_ptys"].default),
+                                           "--target", str(holder)], {"PATH": DEFAULT_PATH})
+    if code != 0:
+        raise OrchardError(f"sandbox {job.sandbox_id}: cannot limit its terminals: {err.strip()}")
 
 
 def namespace_holder(pid: int) -> Optional[int]:

@@ -33,6 +33,7 @@ def test_containers_run_commands_with_their_namespaces_and_limits(podman):
         assert sandbox.exec("ls /proc | grep -c '^[0-9]'").stdout.strip() in {"2", "3", "4"}
         assert sandbox.exec("grep -c : /proc/net/dev").stdout == "1\n"  # --network none
         assert limited.exec("grep -c : /proc/net/dev").stdout == "2\n"  # its own namespace: lo and the egress's eth0
+        assert "max=64" in sandbox.exec("grep devpts /proc/self/mountinfo").stdout  # its terminals are capped
         sandbox.exec("sleep 1000 & echo $! > /tmp/sleeper")
         assert sandbox.exec("kill -0 $(cat /tmp/sleeper) && echo alive").stdout == "alive\n"
         job = limited.exec("for i in $(seq 60); do sleep 30 & done; echo spawned", timeout=20)

@@ -19,13 +19,12 @@ from typing import Optional
 from orchard.agent.images import ResolvedImage
 from orchard.agent.inroot import exists_in_root
 from orchard.agent.runtimes.api import DEFAULT_PATH, IsolationRuntime, RuntimeContext
-from orchard.agent.runtimes.holder import HOLD_ARGS, launcher_prefix, limit, spawn_holder, stop_held
+from orchard.agent.runtimes.holder import HOLD_ARGS, launcher_prefix, limit, limit_ptys, spawn_holder, stop_held
 from orchard.agent.runtimes.layers import image_workdir, writable_root
 from orchard.agent.runtimes.mounts import MASKED_PROC_DIRS, MASKED_PROC_FILES, system_binds
 from orchard.agent.sandbox import Placement, SandboxState
 from orchard.agent.spawner import SPAWNER_FD, SpawnerClient, prestartable, socket_pair
-from orchard.agent.reaper import run_tool
-from orchard.errors import RuntimeUnavailable, Unsupported
+from orchard.errors import Unsupported
 from orchard.quantities import optional_bytes
 
 # The ``host`` image shows the system directories (mounts.system_binds) and, of /etc, only an
@@ -198,7 +197,7 @@ class BwrapRuntime(IsolationRuntime):
         assert sandbox.placement is not None
         sandbox.placement.target_pid = int(info["child-pid"])
         sandbox.placement.root = f"/proc/{sandbox.placement.target_pid}/root"
-        await self._limit_ptys(sandbox.placement.target_pid)
+        await limit_ptys(self.context, sandbox.placement.target_pid)
         if open_network:
             try:
                 await egress.attach(sandbox.sandbox_id, sandbox.placement.target_pid)
@@ -216,13 +215,6 @@ class BwrapRuntime(IsolationRuntime):
                 self._spawners[sandbox.sandbox_id] = (sandbox.placement, client)
             except OSError:  # the holder is already gone: commands will find the sandbox lost
                 pair[0].close()
-
-    async def _limit_ptys(self, pid: int) -> None:
-        """Cap the sandbox's devpts at ``sandbox_ptys`` terminals (the kernel's pool is the host's)."""
-        argv = [str(self.context.helper), "--pts-max", str(self.context.settings.sandbox_ptys), "--target", str(pid)]
-        code, _, err = await run_tool(self.context.reaper, argv, {"PATH": DEFAULT_PATH})
-        if code != 0:
-            raise RuntimeUnavailable(f"cannot limit the sandbox's terminals: {err.strip()}")
 
     def _has(self, placement: Placement, path: str) -> bool:
         return exists_in_root(placement.root, path)

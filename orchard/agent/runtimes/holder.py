@@ -16,7 +16,8 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from orchard.agent.runtimes.api import RuntimeContext, open_files_args
+from orchard.agent.reaper import run_tool
+from orchard.agent.runtimes.api import DEFAULT_PATH, RuntimeContext, open_files_args
 from orchard.agent.runtimes.mounts import remove_tree, unmount
 from orchard.agent.sandbox import SandboxState
 from orchard.errors import QuotaExceeded, RuntimeUnavailable
@@ -52,6 +53,15 @@ def limit(context: RuntimeContext, sandbox: SandboxState) -> None:
             spec.pids or settings.default_pids, parse_cpu(cpu) if cpu else None)
     elif spec.memory or spec.pids or spec.cpu:
         raise QuotaExceeded("resource limits were asked for, but no cgroup hierarchy is writable here")
+
+
+async def limit_ptys(context: RuntimeContext, pid: int) -> None:
+    """Cap the devpts of the sandbox ``pid`` holds at ``sandbox_ptys`` terminals (``orchard-enter
+    --pts-max``): the kernel's pool is the host's, and one sandbox took 3,071 of it."""
+    argv = [str(context.helper), "--pts-max", str(context.settings.sandbox_ptys), "--target", str(pid)]
+    code, _, err = await run_tool(context.reaper, argv, {"PATH": DEFAULT_PATH})
+    if code != 0:
+        raise RuntimeUnavailable(f"cannot limit the sandbox's terminals: {err.strip()}")
 
 
 async def spawn_holder(context: RuntimeContext, sandbox: SandboxState, argv: list[str], env: dict[str, str],

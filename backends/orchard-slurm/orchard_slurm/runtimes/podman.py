@@ -28,6 +28,7 @@ from orchard.agent.cgroups import own_v1_paths
 from orchard.agent.inroot import exists_in_root
 from orchard.agent.reaper import run_tool
 from orchard.agent.runtimes.api import DEFAULT_PATH, IsolationRuntime
+from orchard.agent.runtimes.holder import limit_ptys
 from orchard.agent.runtimes.mounts import MASKED_PROC_DIRS, MASKED_PROC_FILES, remove_tree
 from orchard.agent.sandbox import Placement, SandboxState
 from orchard.errors import ImageRejected, InvalidRequest, RuntimeUnavailable
@@ -264,6 +265,7 @@ class PodmanRuntime(IsolationRuntime):
             placement.default_cwd = "/workspace"
         self._cgroups[sandbox.sandbox_id] = cgroup_procs_files(pid)
         sandbox.holder_exit = process_exit(pid)
+        await limit_ptys(self.context, pid)  # Podman's devpts has no max= either
         if not spec.block_network:
             await egress.attach(sandbox.sandbox_id, pid)
 
