@@ -41,6 +41,7 @@ from orchard_slurm.pilot import write_stop_record
 from orchard_slurm.relay import Relay, listening_socket
 from orchard_slurm.runtimes import apptainer, charliecloud
 from orchard_slurm.runtimes.charliecloud import CH_RUN_DIRS, CH_RUN_FILES
+from orchard_slurm.runtimes.processes import first_descendant
 
 AGENT_FD = 3  # the listening socket the job hands to the agent (see relay.py)
 AGENT = ["/opt/orchard/bin/orchard-agent", "--runtime", "direct", "--state-dir", "/tmp/.orchard-agent",
@@ -266,17 +267,7 @@ async def limit_job_ptys(job: SandboxJob, holder: int, reaper: ChildReaper) -> N
 def namespace_holder(pid: int) -> Optional[int]:
     """The first process below ``pid`` in a network namespace other than this job's."""
     ours = os.stat("/proc/self/ns/net").st_ino
-    pending = [pid]
-    while pending:
-        current = pending.pop(0)
-        try:
-            if os.stat(f"/proc/{current}/ns/net").st_ino != ours:
-                return current
-            for task in Path(f"/proc/{current}/task").iterdir():
-                pending += [int(child) for child in (task / "children").read_text().split()]
-        except OSError:
-            continue
-    return None
+    return first_descendant(pid, lambda p: os.stat(f"/proc/{p}/ns/net").st_ino != ours)
 
 
 async def stop_container(pid: int, exited: "asyncio.Future[int]") -> None:

@@ -26,6 +26,7 @@ from orchard.agent.runtimes.mounts import MASKED_PROC_DIRS, MASKED_PROC_FILES
 from orchard.agent.sandbox import Placement, SandboxState
 from orchard.errors import InvalidRequest, RuntimeUnavailable
 from orchard.quantities import optional_bytes
+from orchard_slurm.runtimes.processes import first_descendant
 
 HOLD_PATH = "/.orchard-hold"  # bind target of the holder binary inside the container
 CH_RUN_DIRS = ("dev", "proc", "sys", "tmp", "etc", "home", "mnt")
@@ -93,17 +94,7 @@ def container_args(staging: Path, root: Path, binds: dict[str, str], command: li
 
 def find_holder(pid: int) -> Optional[int]:
     """The holder among ``pid``'s descendants (unshare forks it; ch-run execs into it)."""
-    pending = [pid]
-    while pending:
-        current = pending.pop()
-        try:
-            if Path(f"/proc/{current}/cmdline").read_bytes().split(b"\0")[0] == HOLD_PATH.encode():
-                return current
-            for task in Path(f"/proc/{current}/task").iterdir():
-                pending += [int(child) for child in (task / "children").read_text().split()]
-        except OSError:
-            continue
-    return None
+    return first_descendant(pid, lambda p: Path(f"/proc/{p}/cmdline").read_bytes().split(b"\0")[0] == HOLD_PATH.encode())
 
 
 class CharliecloudRuntime(IsolationRuntime):

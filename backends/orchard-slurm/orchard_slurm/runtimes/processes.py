@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import fcntl
 import os
+from pathlib import Path
+from typing import Callable, Optional
 
 NS_GET_PARENT = 0xB702  # ioctl on a namespace fd: its parent user namespace
 
@@ -50,3 +52,19 @@ def process_exit(pid: int) -> "asyncio.Future[int]":
 
     loop.add_reader(fd, exited)
     return future
+
+
+def first_descendant(pid: int, matches: Callable[[int], bool]) -> Optional[int]:
+    """The first process at or below ``pid`` (breadth first) for which ``matches`` holds;
+    processes that vanish on the way are skipped."""
+    pending = [pid]
+    while pending:
+        current = pending.pop(0)
+        try:
+            if matches(current):
+                return current
+            for task in Path(f"/proc/{current}/task").iterdir():
+                pending += [int(child) for child in (task / "children").read_text().split()]
+        except OSError:
+            continue
+    return None
