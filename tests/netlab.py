@@ -4,11 +4,12 @@
                                                       +-- private   192.168.77.10
                                                       '-- metadata  169.254.169.254
 
-The router forwards; the host routes the three networks through it, so none of them is on
+The router forwards; the host routes the three addresses through it (with a blackhole route
+behind each, so their traffic never leaves the machine even if a route goes), none of them on
 the host's own links (on-link networks are refused as the host's neighbours; these must be
 refused, or reached, by the sandbox egress's rules and nothing else). Each test host runs a
 TCP service on port 8080 that answers with its own name and the address it saw the
-connection come from. Everything lives in namespaces named after this process and goes at
+connection come from, and on 8081 the same, keeping the connection open for 10 s. Everything lives in namespaces named after this process and goes at
 teardown; no packet leaves the machine.
 """
 
@@ -21,18 +22,24 @@ import time
 from dataclasses import dataclass, field
 
 SERVICE_PORT = 8080
+HOLD_PORT = 8081  # the same answer, the connection then kept open for 10 s
+BLACKHOLE_METRIC = "4242"
 HOSTS = {"outside": ("203.0.113.10", "203.0.113.1/24"), "private": ("192.168.77.10", "192.168.77.1/24"),
          "metadata": ("169.254.169.254", "169.254.0.1/16")}
 ANSWER = """
-import socket, sys
+import socket, sys, time
 server = socket.socket()
 server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
 server.bind((sys.argv[1], int(sys.argv[2])))
-server.listen(16)
+server.listen(256)
+held = []
 while True:
     conn, peer = server.accept()
     conn.sendall(f"hello-from-{sys.argv[3]} seen-from {peer[0]}\\n".encode())
-    conn.close()
+    if sys.argv[4] == "hold":  # keeps the connection open for a while (a flow that stays)
+        held = [(c, t) for c, t in held if time.monotonic() - t < 10 or c.close()] + [(conn, time.monotonic())]
+    else:
+        conn.close()
 """
 
 
@@ -90,10 +97,14 @@ class NetLab:
             sh("ip", "-n", namespace, "addr", "add", f"{address}/{prefix}", "dev", "eth0")
             sh("ip", "-n", namespace, "link", "set", "eth0", "up")
             sh("ip", "-n", namespace, "route", "add", "default", "via", router_side.split("/")[0])
+            # a blackhole behind the lab's route: should the route go (another lab's teardown, a
+            # crash), traffic for the test hosts is dropped here, never sent out the default route
+            sh("ip", "route", "replace", "blackhole", f"{address}/32", "metric", BLACKHOLE_METRIC)
             sh("ip", "route", "replace", f"{address}/32", "via", self.router_address)
-            self.services.append(subprocess.Popen(
-                ["ip", "netns", "exec", namespace, sys.executable, "-c", ANSWER, address, str(SERVICE_PORT), name],
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+            for port, mode in ((SERVICE_PORT, "answer"), (HOLD_PORT, "hold")):
+                self.services.append(subprocess.Popen(
+                    ["ip", "netns", "exec", namespace, sys.executable, "-c", ANSWER, address, str(port), name, mode],
+                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         for name, (address, _) in HOSTS.items():
             self._wait_for(address, name)
 
@@ -111,20 +122,28 @@ class NetLab:
         for process in self.services:
             process.kill()
             process.wait(10)
-        for address, _ in HOSTS.values():
-            subprocess.run(["ip", "route", "del", f"{address}/32"], capture_output=True)
+        for address, _ in HOSTS.values():  # this lab's route only; the blackhole stays while any lab lives
+            subprocess.run(["ip", "route", "del", f"{address}/32", "via", self.router_address, "metric", "0"],
+                           capture_output=True)
         subprocess.run(["ip", "link", "del", self.host_end], capture_output=True)
         for namespace in reversed(self.namespaces):
             subprocess.run(["ip", "netns", "del", namespace], capture_output=True)
         self.namespaces.clear()
         self.services.clear()
+        if not any(line.startswith("olab-") for line in namespaces()):
+            for address, _ in HOSTS.values():
+                subprocess.run(["ip", "route", "del", "blackhole", f"{address}/32", "metric", BLACKHOLE_METRIC],
+                               capture_output=True)
+
+
+def namespaces() -> list[str]:
+    return subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.splitlines()
 
 
 def remove_dead_labs() -> None:
     """Labs a killed test run left (named after a process that is gone): their namespaces,
     host ends and routes would clash with a new one's."""
-    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split("\n")
-    for line in listed:
+    for line in namespaces():
         name = line.split(" ")[0]
         tag = name.rsplit("-", 1)[-1]
         if name.startswith("olab-") and tag.isdigit() and not os.path.exists(f"/proc/{tag}"):

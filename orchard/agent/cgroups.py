@@ -268,7 +268,10 @@ class CgroupManager:
             return "v2", {"unified": V1_ROOT / "orchard" / self.agent_name}
         return "none", {}
 
-    def create(self, sandbox_id: str, memory: Optional[int], pids: Optional[int], cpus: Optional[float]) -> SandboxCgroup:
+    def create(self, sandbox_id: str, memory: Optional[int], pids: Optional[int], cpus: Optional[float],
+               socket_memory: Optional[int] = None) -> SandboxCgroup:
+        """``socket_memory`` (cgroup v1): the TCP buffers its sockets may hold, which v1 does
+        not count against ``memory`` (cgroup v2 does, so there it needs no limit of its own)."""
         group = SandboxCgroup()
         for controller, base in self.bases.items():
             path = base / sandbox_id
@@ -280,6 +283,8 @@ class CgroupManager:
                 self._total_set = True
             group.dirs["memory" if controller == "unified" else controller] = path
             self._apply(controller, path, memory, pids, cpus)
+            if controller == "memory" and socket_memory and (path / "memory.kmem.tcp.limit_in_bytes").exists():
+                (path / "memory.kmem.tcp.limit_in_bytes").write_text(str(socket_memory))
         if self.mode == "v1" and "pids" in group.dirs:
             group.job_controller = "pids"
         return group

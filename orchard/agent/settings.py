@@ -41,6 +41,10 @@ class AgentSettings(BaseModel):
                                                       "clashes with an account), try this many next ranges")
     default_memory: Optional[str] = Field("4Gi", description="memory limit when a sandbox sets none")
     default_pids: Optional[int] = Field(4096, description="process limit when a sandbox sets none")
+    sandbox_socket_memory: Optional[str] = Field("64Mi", description="TCP buffers the sockets of one sandbox may "
+                                                 "hold (cgroup v1, which leaves them out of its memory limit: a "
+                                                 "blocked sandbox held 1.87 GiB of the host's 2.2 GiB tcp_mem); "
+                                                 "cgroup v2 counts them in its memory limit")
     sandbox_open_files: int = Field(4096, ge=64, le=1 << 20, description="open files one process of a sandbox "
                                     "may hold (its hard limit; the soft one is 1,024 or this, if less); sandboxes "
                                     "inherited the agent's own, raised to the host's hard limit")
@@ -125,6 +129,9 @@ class AgentSettings(BaseModel):
     network_allow: list[str] = Field(default_factory=list, description="nat: IPv4 addresses or networks sandboxes "
                                      "may reach although they are private, link-local or the host's (a package "
                                      "mirror on the LAN, say)")
+    network_max_flows: int = Field(2048, ge=16, le=1 << 20, description="nat: connections (tracked flows, UDP "
+                                   "ones too) one sandbox may have at once; more are refused. The host's conntrack "
+                                   "table and the source ports behind its address are shared by every sandbox")
     network_dns: Optional[list[str]] = Field(None, description="nat: the name servers sandboxes with network use "
                                              "(and may reach on port 53); null: the host's resolv.conf, loopback "
                                              "ones left out")
@@ -162,10 +169,11 @@ class AgentSettings(BaseModel):
         except (OSError, ValueError):
             return 24576
 
-    @field_validator("max_snapshot_bytes")
+    @field_validator("max_snapshot_bytes", "sandbox_socket_memory")
     @classmethod
-    def _size(cls, value: str) -> str:
-        parse_bytes(value, "max_snapshot_bytes")
+    def _size(cls, value: Optional[str], info: ValidationInfo) -> Optional[str]:
+        if value is not None:
+            parse_bytes(value, info.field_name or "size")
         return value
 
     @property

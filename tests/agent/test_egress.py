@@ -220,3 +220,58 @@ def test_an_egress_that_cannot_start_gives_way_under_auto_and_fails_when_named()
     named = AgentSettings(state_dir="/tmp/egress-unit", network_egress="nat")
     with pytest.raises(RuntimeUnavailable, match="network_egress 'nat' could not start"):
         asyncio.run(start_egress(EgressThatCannotStart(), named, ChildReaper(), "abc"))  # type: ignore[arg-type]
+
+
+FLOOD = """
+import socket
+held, refused = [], 0
+for n in range(40):
+    try:
+        held.append(socket.create_connection(("203.0.113.10", 8081), 3))  # kept open by the outside host
+    except OSError:
+        refused += 1
+print(len(held), refused)
+"""
+
+
+def test_one_sandbox_cannot_take_the_shared_flow_table(own_agent, lab):
+    """The conntrack table and the source ports behind the host's address are shared: one
+    sandbox took 50,000 entries in half a second, and every port to one name server. Past
+    network_max_flows its new flows are refused; a neighbour's go through."""
+    client, _ = own_agent(network_max_flows=16)
+    with client.create(block_network=False) as greedy, client.create(block_network=False) as neighbour:
+        held, refused = map(int, greedy.exec(["python3", "-c", FLOOD]).stdout.split())
+        assert held == 16 and refused == 40 - 16, (held, refused)
+        assert neighbour.exec(probe(OUTSIDE)).stdout.startswith("hello-from-outside")
+
+
+def test_a_new_agent_removes_the_tables_of_gone_agents(own_agent, lab):
+    """Tables of killed agents stayed; one of an earlier agent of the same state directory
+    would still apply its rules to the new agent's interfaces."""
+    client, settings = own_agent()
+    before = set(nft_tables())
+    with client.create(block_network=False) as open_:
+        assert open_.exec(probe(OUTSIDE)).stdout.startswith("hello-from-outside")
+    ours = set(nft_tables()) - before
+    assert len(ours) == 1, ours
+    (table,) = ours
+    agent_id = table.split("_")[1]
+    ghosts = [f"orchard_{agent_id}_999999", "orchard_0123456789_999998"]  # same state dir; a dead pid
+    for ghost in ghosts:
+        subprocess.run(["nft", "add", "table", "inet", ghost], check=True)
+    from orchard.backends.local.launcher import stop_agent
+
+    stop_agent(settings)
+    again = Client(backend="local", backend_settings={"agent": settings.model_dump(mode="json")})
+    try:
+        with again.create(block_network=False) as open_:
+            assert open_.exec(probe(OUTSIDE)).stdout.startswith("hello-from-outside")
+            left = set(nft_tables())
+            assert not set(ghosts) & left and table not in left, left
+    finally:
+        again.close()
+
+
+def nft_tables() -> list[str]:
+    listed = json.loads(subprocess.run(["nft", "-j", "list", "tables"], capture_output=True, text=True, check=True).stdout)
+    return [entry["table"]["name"] for entry in listed["nftables"] if "table" in entry]

@@ -229,3 +229,48 @@ def test_sandboxes_get_their_own_open_files_limit_not_the_agents(orchard_client,
         raised = sandbox.exec(["python3", "-c", "import resource; resource.setrlimit(resource.RLIMIT_NOFILE, "
                                f"({hard + 1}, {hard + 1})); print('raised')"])
         assert "raised" not in raised.stdout  # the hard limit holds
+
+
+def test_dev_itself_takes_no_files(orchard_client):
+    """bwrap's /dev is a tmpfs of no size owned by the sandbox user: 200 MiB in 20,000 files
+    went into it under disk: 16Mi. It is read-only; its devices still work."""
+    with orchard_client.create(disk="16Mi") as small:
+        job = small.exec("head -c 1000000 /dev/zero > /dev/filler")
+        assert job.exit_code != 0 and "Read-only file system" in job.stderr, job
+        assert small.exec("echo x > /dev/null && head -c 3 /dev/urandom | wc -c").stdout.strip() == "3"
+
+
+SOCKET_HOARD = """
+import socket
+pairs, total = [], 0
+server = socket.socket()
+server.bind(("127.0.0.1", 0))
+server.listen(64)
+for _ in range(40):
+    a = socket.create_connection(server.getsockname())
+    b, _ = server.accept()
+    a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
+    a.setblocking(False)
+    while True:
+        try:
+            total += a.send(b"x" * 65536)
+        except OSError:
+            break
+    pairs.append((a, b))
+print(total)
+"""
+
+
+def test_socket_buffers_count_against_the_sandbox(orchard_client, agent_settings):
+    """On cgroup v1 the TCP buffers of a sandbox's sockets are outside its memory limit: a
+    blocked sandbox held 1.87 GiB of the host's tcp_mem with 300 loopback pairs."""
+    from orchard.agent.cgroups import V1_ROOT
+    from orchard.quantities import parse_bytes
+
+    if not (V1_ROOT / "memory" / "memory.kmem.tcp.limit_in_bytes").exists():
+        assert not (V1_ROOT / "memory").is_dir()  # cgroup v2: socket memory is in memory.max already
+        return
+    cap = parse_bytes(agent_settings.sandbox_socket_memory)
+    with orchard_client.create() as hoarder:
+        buffered = int(hoarder.exec(["python3", "-c", SOCKET_HOARD], timeout=60).stdout)
+        assert buffered <= cap * 1.25, f"{buffered} bytes buffered past a {cap}-byte socket memory cap"

@@ -14,6 +14,7 @@ networks changed).
 from __future__ import annotations
 
 import ipaddress
+import json
 import logging
 import os
 import secrets
@@ -24,7 +25,7 @@ from orchard.agent.egress.api import Egress, is_root, tool
 from orchard.agent.egress.ranges import (
     blocked_networks, host_nameservers, on_link_networks, parse_networks, resolv_conf_text,
 )
-from orchard.agent.egress.ruleset import add_blocked, delete_table, ruleset
+from orchard.agent.egress.ruleset import add_blocked, delete_tables, ruleset, stale_tables, table_name
 from orchard.agent.reaper import run_tool
 from orchard.errors import RuntimeUnavailable
 
@@ -42,6 +43,7 @@ class NatEgress(Egress):
         super().__init__(*args, **kwargs)
         settings = self.settings
         self.prefix = "o" + self.agent_id[:4]  # 5 characters + 10 random: IFNAMSIZ allows 15
+        self.table = table_name(self.agent_id, os.getpid())
         self.pool = ipaddress.IPv4Network(settings.network_pool)
         self.allowed = [str(n) for n in parse_networks(settings.network_allow, "network_allow")]
         dns = settings.network_dns if settings.network_dns is not None else host_nameservers()
@@ -62,7 +64,8 @@ class NatEgress(Egress):
         return resolv_conf_text(self.nameservers)
 
     def describe(self) -> dict[str, object]:
-        return {"egress": self.name, "pool": str(self.pool), "allowed": self.allowed, "nameservers": self.nameservers}
+        return {"egress": self.name, "pool": str(self.pool), "allowed": self.allowed, "nameservers": self.nameservers,
+                "max_flows": self.settings.network_max_flows, "table": self.table}
 
     # -- host-wide -------------------------------------------------------------------
     async def start(self) -> None:
@@ -72,11 +75,15 @@ class NatEgress(Egress):
             IP_FORWARD.write_text("1\n")
         self._neighbours = self._uncovered(on_link_networks())
         blocked = blocked_networks(self.pool, self._neighbours)
-        await self._nft(ruleset(self.agent_id, self.prefix, str(self.pool), blocked, self.allowed, self.nameservers))
+        listed = json.loads(await self._run([tool("nft") or "nft", "-j", "list", "tables"]))
+        names = [entry["table"]["name"] for entry in listed.get("nftables", []) if "table" in entry]
+        await self._nft(delete_tables(stale_tables(names, self.agent_id, os.getpid())) +
+                        ruleset(self.table, self.prefix, str(self.pool), blocked, self.allowed, self.nameservers,
+                                self.settings.network_max_flows))
 
     async def close(self) -> None:
         try:
-            await self._nft(delete_table(self.agent_id))
+            await self._nft(delete_tables([self.table]))
         except RuntimeUnavailable as exc:
             log.warning("could not remove this agent's nftables table: %s", exc)
 
@@ -109,7 +116,7 @@ class NatEgress(Egress):
         """A network the host came to sit on after the agent started is blocked too."""
         new = self._uncovered(on_link_networks()) - self._neighbours
         if new:
-            await self._nft(add_blocked(self.agent_id, sorted(str(n) for n in new)))
+            await self._nft(add_blocked(self.table, sorted(str(n) for n in new)))
             self._neighbours |= new
 
     # -- per sandbox -------------------------------------------------------------------

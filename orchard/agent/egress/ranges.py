@@ -24,6 +24,7 @@ BLOCKED_RANGES = (
     "192.0.0.0/24", "192.168.0.0/16", "198.18.0.0/15", "224.0.0.0/4", "240.0.0.0/4",
 )
 RTF_GATEWAY = 0x2
+RTF_REJECT = 0x200  # blackhole, unreachable and prohibit routes: nothing is reached through them
 
 
 def parse_networks(values: Iterable[str], setting: str) -> list[ipaddress.IPv4Network]:
@@ -53,8 +54,8 @@ def on_link_networks(route_table: Path = Path("/proc/net/route")) -> list[ipaddr
         if len(fields) < 8:
             continue
         destination, flags, mask = int(fields[1], 16), int(fields[3], 16), int(fields[7], 16)
-        if flags & RTF_GATEWAY or mask == 0:
-            continue  # via a router, or the default route: the way out, not a neighbour
+        if flags & (RTF_GATEWAY | RTF_REJECT) or mask == 0 or fields[0] == "*":
+            continue  # via a router, the default route (the way out), or a route to nowhere: no neighbour
         address = socket.inet_ntoa(struct.pack("<I", destination))
         netmask = socket.inet_ntoa(struct.pack("<I", mask))
         networks.append(ipaddress.IPv4Network(f"{address}/{netmask}", strict=False))

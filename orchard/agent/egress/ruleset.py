@@ -1,12 +1,16 @@
 """The nftables table of one agent's ``nat`` egress, as text for ``nft -f``.
 
-One table per agent (``inet orchard_<id>``), matching its sandboxes' host-side interfaces
-by name prefix, so rules never change per sandbox and one agent's table never touches
-another's. Replaced atomically at start (the same transaction deletes and re-adds it).
+One table per agent (``inet orchard_<id>_<pid>``), matching its sandboxes' host-side
+interfaces by name prefix, so rules never change per sandbox and one agent's table never
+touches another's. Written atomically at start; the tables of agents that are gone (their pid,
+or an earlier agent of the same state directory) are removed then too (``stale_tables``).
 
 - from a sandbox, to the host itself: refused (input), except DNS to a name server that is
   the host;
-- from a sandbox, forwarded: its own pool address only as source; allowed networks and DNS
+- from a sandbox, forwarded: its own pool address only as source; at most ``max_flows``
+  connections tracked for it at once (the host's conntrack table and the masquerade's source
+  ports are shared: one sandbox took 50,000 entries in half a second, and all the ports to
+  one name server, which cut every other sandbox and the host off it); allowed networks and DNS
   to the configured name servers pass; blocked ranges are refused with a reset or an ICMP
   "administratively prohibited" (a fast error, not a hang); IPv6 is refused; the rest passes,
   masqueraded behind the host's address;
@@ -15,18 +19,34 @@ another's. Replaced atomically at start (the same transaction deletes and re-add
 
 from __future__ import annotations
 
+import os
+import re
 from typing import Iterable
 
 
 
-def refuse(condition: str = "") -> str:
-    """Refuse what matches ``condition`` at once: a TCP reset, else ICMP "prohibited"."""
-    lead = f"{condition} " if condition else ""
-    return f"{lead}meta l4proto tcp reject with tcp reset\n    {lead}reject with icmpx type admin-prohibited"
+REFUSE = "jump refused"  # at once: a TCP reset, else ICMP "prohibited" (never a silent drop that hangs a caller)
 
 
-def table_name(agent_id: str) -> str:
-    return f"orchard_{agent_id}"
+def table_name(agent_id: str, pid: int) -> str:
+    return f"orchard_{agent_id}_{pid}"
+
+
+TABLE_NAME = re.compile(r"orchard_([0-9a-f]{10})_([0-9]+)")
+
+
+def stale_tables(names: Iterable[str], agent_id: str, pid: int) -> list[str]:
+    """Of the tables ``names``, those to remove: an earlier agent's of this state directory
+    (one agent per state directory: its interfaces now are ours, and its rules would still
+    apply to them), and any whose process is gone."""
+    stale = []
+    for name in names:
+        match = TABLE_NAME.fullmatch(name)
+        if match is None or int(match.group(2)) == pid:
+            continue
+        if match.group(1) == agent_id or not os.path.exists(f"/proc/{match.group(2)}"):
+            stale.append(name)
+    return stale
 
 
 def elements(values: Iterable[str]) -> str:
@@ -34,14 +54,16 @@ def elements(values: Iterable[str]) -> str:
     return f"elements = {{ {listed} }}" if listed else ""
 
 
-def ruleset(agent_id: str, prefix: str, pool: str, blocked: Iterable[str], allowed: Iterable[str],
-            nameservers: Iterable[str]) -> str:
+def ruleset(table: str, prefix: str, pool: str, blocked: Iterable[str], allowed: Iterable[str],
+            nameservers: Iterable[str], max_flows: int) -> str:
     """The whole table; ``prefix`` is the interface-name prefix of this agent's sandboxes."""
-    table = table_name(agent_id)
     match = f'"{prefix}*"'
     return f"""table inet {table}
 delete table inet {table}
 table inet {table} {{
+  set flows {{
+    type ipv4_addr; flags dynamic; size 65535
+  }}
   set blocked {{
     type ipv4_addr; flags interval; auto-merge
     {elements(blocked)}
@@ -60,7 +82,11 @@ table inet {table} {{
   }}
   chain from_sandbox_to_host {{
     ip daddr @dns meta l4proto {{ tcp, udp }} th dport 53 accept
-    {refuse()}
+    {REFUSE}
+  }}
+  chain refused {{
+    meta l4proto tcp reject with tcp reset
+    reject with icmpx type admin-prohibited
   }}
   chain forward {{
     type filter hook forward priority filter - 10; policy accept
@@ -69,12 +95,13 @@ table inet {table} {{
     oifname {match} drop
   }}
   chain from_sandbox {{
-    {refuse("meta nfproto ipv6")}
+    meta nfproto ipv6 {REFUSE}
     ip saddr != {pool} drop
-    {refuse("oifname " + match)}
+    ct state new add @flows {{ ip saddr ct count over {max_flows} }} {REFUSE}
+    oifname {match} {REFUSE}
     ip daddr @allowed accept
     ip daddr @dns meta l4proto {{ tcp, udp }} th dport 53 accept
-    {refuse("ip daddr @blocked")}
+    ip daddr @blocked {REFUSE}
     accept
   }}
   chain postrouting {{
@@ -85,11 +112,10 @@ table inet {table} {{
 """
 
 
-def add_blocked(agent_id: str, networks: Iterable[str]) -> str:
+def add_blocked(table: str, networks: Iterable[str]) -> str:
     """Add networks the host came to sit on after the table was written."""
-    return f"add element inet {table_name(agent_id)} blocked {{ {', '.join(networks)} }}\n"
+    return f"add element inet {table} blocked {{ {', '.join(networks)} }}\n"
 
 
-def delete_table(agent_id: str) -> str:
-    table = table_name(agent_id)
-    return f"table inet {table}\ndelete table inet {table}\n"
+def delete_tables(tables: Iterable[str]) -> str:
+    return "".join(f"table inet {table}\ndelete table inet {table}\n" for table in tables)

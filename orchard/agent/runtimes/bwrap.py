@@ -75,12 +75,16 @@ def namespace_args(hostname: str, own_network: bool, ids: Optional[tuple[int, in
     return args + (["--unshare-net"] if own_network else [])
 
 
+READ_ONLY_DEV = ["--remount-ro", "/dev"]  # last: the holder's bind target is made in /dev first
 SHM_BYTES = 64 << 20  # /dev/shm, as Docker and Podman size it (never more than the disk quota)
 
 
 def dev_args(disk: Optional[int]) -> list[str]:
-    """A fresh /dev, with a /dev/shm of its own size: bwrap's is a directory of the /dev
-    tmpfs, which has no size (64 MiB went into it under disk: 32Mi)."""
+    """A fresh /dev with a /dev/shm of its own size: bwrap's /dev is a tmpfs of no size that
+    the sandbox user owns, and its /dev/shm a directory of it (64 MiB went into /dev/shm, and
+    200 MiB in 20,000 files into /dev itself, under disk: 16Mi). /dev is made read-only once
+    the holder is bound into it (``READ_ONLY_DEV``); the device nodes, devpts and /dev/shm
+    are mounts of their own and stay writable."""
     size = min(SHM_BYTES, disk) if disk else SHM_BYTES
     return ["--dev", "/dev", "--perms", "01777", "--size", str(size), "--tmpfs", "/dev/shm"]
 
@@ -183,7 +187,8 @@ class BwrapRuntime(IsolationRuntime):
         if pair is not None:  # the holder's end passes through bwrap as an inherited descriptor, never a path
             hold_args = [*HOLD_ARGS, "--spawner", str(SPAWNER_FD)]
         argv = [*launcher_prefix(self.context, sandbox, owner), "bwrap", *namespaces, "--as-pid-1", *args,
-                "--ro-bind", helper, "/dev/.orchard-hold", "--info-fd", "4", "--", "/dev/.orchard-hold", *hold_args]
+                "--ro-bind", helper, "/dev/.orchard-hold", *READ_ONLY_DEV, "--info-fd", "4", "--", "/dev/.orchard-hold",
+                *hold_args]
         try:
             info = json.loads(await spawn_holder(self.context, sandbox, argv, {"PATH": DEFAULT_PATH}, "bubblewrap",
                                                  info_fd=True, pass_fds={pair[1].fileno(): SPAWNER_FD} if pair else None))

@@ -50,7 +50,8 @@ def limit(context: RuntimeContext, sandbox: SandboxState) -> None:
         cpu = spec.cpu or settings.default_cpu
         sandbox.cgroup = context.cgroups.create(
             sandbox.sandbox_id, optional_bytes(spec.memory or settings.default_memory),
-            spec.pids or settings.default_pids, parse_cpu(cpu) if cpu else None)
+            spec.pids or settings.default_pids, parse_cpu(cpu) if cpu else None,
+            optional_bytes(settings.sandbox_socket_memory))
     elif spec.memory or spec.pids or spec.cpu:
         raise QuotaExceeded("resource limits were asked for, but no cgroup hierarchy is writable here")
 
