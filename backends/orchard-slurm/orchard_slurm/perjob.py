@@ -63,7 +63,7 @@ class SandboxJob:
     image_cache: Optional[str] = None  # where docker:// images are unpacked (shared between jobs)
     image_policy: dict = field(default_factory=dict)  # SlurmConfig.image_policy()
     host_ids: tuple[int, int, int, int] = (DEFAULT_HOST_UID + 1, DEFAULT_HOST_UID + 1, 1, 65535)  # config's
-    disk_bytes: Optional[int] = None  # the writable layer's tmpfs (root jobs): the job's memory
+    disk_bytes: Optional[int] = None  # the writable layer's tmpfs (root jobs): half the job's memory
 
     @property
     def image_owner(self) -> tuple[int, int]:
@@ -123,8 +123,9 @@ def prepare_root(job: SandboxJob, image: ResolvedImage, work: Path,
         return image.rootfs, False, []
     mounts: list[Path] = []
     assert ids is not None  # root jobs claimed them
-    # The layer is a tmpfs of the job's memory (its pages are charged to the job's memory
-    # cgroup anyway), never the shared filesystem: 3 GiB went onto shared_dir from a 2 GB job.
+    # The layer is a tmpfs of half the job's memory (its pages are the job's memory anyway:
+    # a full layer must leave the job room to run), never the shared filesystem: 3 GiB went
+    # onto shared_dir from a job of 2 GB.
     root = overlay_root(image.rootfs, work, ids, job.disk_bytes, mounts, job.image_owner)
     ensure_paths(root, CONTAINER_DIRS, CH_RUN_FILES)
     inroot.chown(str(root), "/root", ids)  # the image's /root, even if it is a symlink

@@ -155,7 +155,7 @@ class PilotPool:
             call = (run_sandbox_job, SandboxJob(str(directory), str(spec.sandbox_id), spec.image, self.config.runtime,
                                                 spec.block_network, str(await self.bundle()), self.config.agent_host,
                                                 str(cache), self.config.image_policy(), self.config.host_id_settings(),
-                                                int(self.config.mem_per_pilot_gb * (1 << 30))))
+                                                int(self.config.mem_per_pilot_gb * (1 << 30)) // 2))
             submitted_at = time.time()
             job = await asyncio.to_thread(self.executor().submit, *call)
             return self._track(pilot_id, directory, str(job.job_id), submitted_at, str(spec.sandbox_id))
