@@ -13,7 +13,7 @@ import resource
 import secrets
 import signal
 import time
-from pathlib import PurePosixPath
+from pathlib import Path, PurePosixPath
 from typing import AsyncIterator, Optional
 
 from orchard.agent.cgroups import CgroupManager, SandboxCgroup
@@ -72,6 +72,24 @@ def _write_share_files(settings: AgentSettings, resolv_conf: Optional[str]) -> N
     os.chmod(empty, 0o444)
 
 
+FILE_MAX = Path("/proc/sys/fs/file-max")
+UNLIMITED_FILES = (1 << 63) - 1
+
+
+def raise_file_max() -> None:
+    """Lift the host-wide open-files limit, as systemd does at boot: a file is charged to the
+    memory cgroup of whoever opens it, so each sandbox's memory limit bounds its files, while
+    one sandbox at its pids and open-files limits reached a fifth of fs.file-max (500,000
+    files in 183 MB), where every other process of the host would get ENFILE."""
+    try:
+        if int(FILE_MAX.read_text()) < UNLIMITED_FILES:
+            FILE_MAX.write_text(f"{UNLIMITED_FILES}\n")
+            log.warning("raised fs.file-max to %d (as systemd does): sandboxes' files count against their "
+                        "memory limits instead (setting raise_file_max)", UNLIMITED_FILES)
+    except (OSError, ValueError) as exc:
+        log.warning("could not raise fs.file-max (%s): one sandbox may exhaust the host's open files", exc)
+
+
 class AgentService(SnapshotOperations):
     def __init__(self, settings: AgentSettings) -> None:
         self.settings = settings
@@ -96,6 +114,8 @@ class AgentService(SnapshotOperations):
         settings.make_dirs()
         soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        if settings.raise_file_max and os.geteuid() == 0:
+            raise_file_max()
         runtimes = collect("orchard_register_runtimes")
         if settings.runtime not in runtimes:
             raise RuntimeUnavailable(f"unknown runtime {settings.runtime!r}; installed: {', '.join(sorted(runtimes))}")

@@ -45,6 +45,10 @@ class AgentSettings(BaseModel):
                                                  "hold (cgroup v1, which leaves them out of its memory limit: a "
                                                  "blocked sandbox held 1.87 GiB of the host's 2.2 GiB tcp_mem); "
                                                  "cgroup v2 counts them in its memory limit")
+    raise_file_max: bool = Field(True, description="root agents lift fs.file-max at start, as systemd does at "
+                                 "boot (open files are charged to the opener's memory cgroup, so each sandbox's "
+                                 "memory limit bounds its files); off: the host's limit stays, and one sandbox may "
+                                 "exhaust it")
     sandbox_open_files: int = Field(4096, ge=64, le=1 << 20, description="open files one process of a sandbox "
                                     "may hold (its hard limit; the soft one is 1,024 or this, if less); sandboxes "
                                     "inherited the agent's own, raised to the host's hard limit")

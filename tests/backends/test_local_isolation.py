@@ -274,3 +274,26 @@ def test_socket_buffers_count_against_the_sandbox(orchard_client, agent_settings
     with orchard_client.create() as hoarder:
         buffered = int(hoarder.exec(["python3", "-c", SOCKET_HOARD], timeout=60).stdout)
         assert buffered <= cap * 1.25, f"{buffered} bytes buffered past a {cap}-byte socket memory cap"
+
+
+def test_a_root_agent_lifts_the_hosts_file_limit_so_memory_bounds_files():
+    """One sandbox at its limits reached a fifth of fs.file-max (500,000 files in 183 MB of
+    its memory); at file-max every process of the host gets ENFILE. Files are charged to the
+    sandbox's memory cgroup, so the agent lifts the global limit, as systemd does."""
+    import time as time_module
+
+    from orchard.agent.settings import AgentSettings
+    from orchard.backends.local.launcher import stop_agent
+    from orchard.client import Client
+
+    file_max = Path("/proc/sys/fs/file-max")
+    file_max.write_text("2466310\n")  # a kernel's own default on a host of this size (an earlier agent lifted it)
+    settings = AgentSettings(state_dir=Path(f"/tmp/orchard-file-max-{os.getpid()}-{time_module.monotonic_ns()}"))
+    client = Client(backend="local", backend_settings={"agent": settings.model_dump(mode="json")})
+    try:
+        with client.create(memory="256Mi") as sandbox:
+            assert sandbox.exec("echo ok").stdout == "ok\n"
+            assert int(file_max.read_text()) == (1 << 63) - 1
+    finally:
+        client.close()
+        stop_agent(settings)
