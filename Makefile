@@ -7,9 +7,10 @@ PIP := $(VENV)/bin/pip
 # the bundle launcher), debootstrap (foreign root filesystems for the agent-bundle tests), binutils (strip),
 # charliecloud-runtime, podman + runc (the Slurm backend's charliecloud and podman runtimes), python3 (the
 # system Python the non-root pilot test runs as an ordinary user), libfaketime (a real server whose wall clock steps),
-# nftables + slirp4netns (the way out of sandboxes with network: nat for root agents, slirp for the others).
+# nftables + slirp4netns (the way out of sandboxes with network: nat for root agents, slirp for the others), openssl
+# (certificates for the TLS tests).
 SYSTEM_PACKAGES := postgresql bubblewrap gdb skopeo umoci gnupg libfaketime docker-registry busybox-static gcc libc6-dev iproute2 git procps util-linux \
-	debootstrap dash binutils charliecloud-runtime podman runc python3 nftables slirp4netns
+	debootstrap dash binutils charliecloud-runtime podman runc python3 nftables slirp4netns openssl
 TORCH_VERSION := 2.13.0
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
