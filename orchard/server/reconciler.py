@@ -21,6 +21,7 @@ from orchard.server.connections import ConnectionGuard
 from orchard.server.service import OWNER_LABEL, ServerService
 
 log = logging.getLogger("orchard.server.reconciler")
+BYTES_PURGE_SECONDS = 30.0  # how often finished jobs are trimmed to job_retention_bytes
 
 
 class Reconciler:
@@ -30,6 +31,7 @@ class Reconciler:
         self.settings = settings
         self.connections = connections  # a server turning callers away reaps nobody for a missed heartbeat
         self._task: Optional[asyncio.Task] = None
+        self._bytes_purged_at = float("-inf")
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._loop())
@@ -141,5 +143,8 @@ class Reconciler:
         # Finished jobs carry their agents' wall-clock completion times: the cutoff is on the
         # earlier of the wall clock and the server's, so a step either way purges no result early
         # (a result finished before a step back, or after a step forward, is kept a little longer).
+        by_bytes = time.monotonic() - self._bytes_purged_at >= BYTES_PURGE_SECONDS  # a scan of every job: not each round
         service.store.purge_jobs(min(time.time(), now) - service.config.job_retention_seconds,
-                                 service.config.job_retention_bytes)
+                                 service.config.job_retention_bytes if by_bytes else None)
+        if by_bytes:
+            self._bytes_purged_at = time.monotonic()
