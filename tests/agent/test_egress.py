@@ -256,7 +256,8 @@ def test_a_new_agent_removes_the_tables_of_gone_agents(own_agent, lab):
     assert len(ours) == 1, ours
     (table,) = ours
     agent_id = table.split("_")[1]
-    ghosts = [f"orchard_{agent_id}_999999", "orchard_0123456789_999998"]  # same state dir; a dead pid
+    ghosts = [f"orchard_{agent_id}_999999", "orchard_0123456789_999998", "orchard_0123456789"]  # same state dir;
+    # a dead pid; a table of an agent from before the pid was in the name
     for ghost in ghosts:
         subprocess.run(["nft", "add", "table", "inet", ghost], check=True)
     from orchard.backends.local.launcher import stop_agent

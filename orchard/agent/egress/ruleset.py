@@ -33,6 +33,7 @@ def table_name(agent_id: str, pid: int) -> str:
 
 
 TABLE_NAME = re.compile(r"orchard_([0-9a-f]{10})_([0-9]+)")
+LEGACY_TABLE_NAME = re.compile(r"orchard_[0-9a-f]{10}")  # before the pid was in the name: never a live agent's
 
 
 def stale_tables(names: Iterable[str], agent_id: str, pid: int) -> list[str]:
@@ -41,6 +42,9 @@ def stale_tables(names: Iterable[str], agent_id: str, pid: int) -> list[str]:
     apply to them), and any whose process is gone."""
     stale = []
     for name in names:
+        if LEGACY_TABLE_NAME.fullmatch(name):
+            stale.append(name)
+            continue
         match = TABLE_NAME.fullmatch(name)
         if match is None or int(match.group(2)) == pid:
             continue
